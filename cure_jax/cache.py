@@ -1,0 +1,56 @@
+"""Functional KV caches with a static maximum length.
+
+A cache holds keys and values of *committed* tokens only, in slots 0..length-1 of each
+sequence. New tokens (a prompt, a verification block, a whole candidate tree) are attended to
+beside the cache, never written speculatively; afterwards the caller writes the tokens it keeps
+into their final slots. Writes past `max_len` are dropped, which is how a tree near the end of
+the cache shrinks instead of overflowing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+  k: jax.Array        # [L, B, S, KVH, D]
+  v: jax.Array        # [L, B, S, KVH, D]
+  lengths: jax.Array  # [B] int32: committed slots per sequence
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  @classmethod
+  def zeros(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+            dtype) -> "KVCache":
+    shape = (num_layers, batch, max_len, kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  def visible(self) -> jax.Array:
+    """[B, S] True for committed slots."""
+    return jnp.arange(self.max_len)[None, :] < self.lengths[:, None]
+
+  def write(self, k_new, v_new, slots) -> "KVCache":
+    """Scatters k_new/v_new [L, B, T, KVH, D] into slots [B, T]; slots >= max_len are dropped."""
+    batch = jnp.arange(slots.shape[0])[:, None]  # [B, 1]
+    k = self.k.at[:, batch, slots].set(k_new.astype(self.k.dtype), mode="drop")
+    v = self.v.at[:, batch, slots].set(v_new.astype(self.v.dtype), mode="drop")
+    return self.replace(k=k, v=v)
+
+  def append(self, k_new, v_new, count) -> "KVCache":
+    """Commits the first count[b] of T new tokens after each sequence's current length."""
+    t = k_new.shape[2]
+    offs = jnp.arange(t)[None, :]                                    # [1, T]
+    slots = jnp.where(offs < count[:, None], self.lengths[:, None] + offs, self.max_len)
+    cache = self.write(k_new, v_new, slots)
+    return cache.replace(lengths=jnp.minimum(self.lengths + count, self.max_len))
+
+
+def take_tokens(x, index):
+  """Gathers x [L, B, T, ...] along T with index [B, K] -> [L, B, K, ...]."""
+  return jax.vmap(lambda xb, ib: xb[:, ib], in_axes=(1, 0), out_axes=1)(x, index)

@@ -1,0 +1,128 @@
+"""Building blocks shared by the target decoder and the block drafter.
+
+Everything numerically sensitive (norms, softmax, rotary phases) runs in float32 whatever the
+parameter dtype, the way the Hugging Face reference does it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with the HF parameter name `weight`: normalise in float32, cast, then scale."""
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...] * x32.astype(x.dtype)
+
+
+def linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+  """A bias-free projection; kernels are [in, out] (HF stores [out, in])."""
+  return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class SwiGLU(nnx.Module):
+  def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
+    self.gate_proj = linear(hidden, intermediate, dtype, rngs)
+    self.up_proj = linear(hidden, intermediate, dtype, rngs)
+    self.down_proj = linear(intermediate, hidden, dtype, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """Rotary embedding settings from a checkpoint's config.json (default, linear, llama3)."""
+
+  head_dim: int
+  theta: float
+  kind: str = "default"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+  def inv_freq(self) -> jnp.ndarray:
+    inv = 1.0 / (self.theta ** (jnp.arange(0, self.head_dim, 2, dtype=jnp.float32) / self.head_dim))
+    if self.kind == "linear":
+      return inv / self.factor
+    if self.kind == "llama3":
+      wavelen = 2 * math.pi / inv
+      low_wavelen = self.original_max_position / self.low_freq_factor
+      high_wavelen = self.original_max_position / self.high_freq_factor
+      smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+          self.high_freq_factor - self.low_freq_factor)
+      mid = (1 - smooth) * inv / self.factor + smooth * inv
+      scaled = jnp.where(wavelen > low_wavelen, inv / self.factor, inv)
+      is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+      return jnp.where(is_mid, mid, scaled)
+    return inv
+
+  def __call__(self, x, positions):
+    """Rotates x [..., T, heads, D] by positions [..., T] (HF's rotate_half layout)."""
+    angles = positions.astype(jnp.float32)[..., None] * self.inv_freq()  # [..., T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]    # [..., T, 1, D]
+    x32 = x.astype(jnp.float32)
+    half = self.head_dim // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def rope_from_hf(config: dict, head_dim: int) -> Rope:
+  """Reads rope_theta / rope_scaling (or transformers 5's rope_parameters) from config.json."""
+  params = dict(config.get("rope_parameters") or {})
+  scaling = config.get("rope_scaling") or {}
+  params.update(scaling)
+  kind = params.get("rope_type", params.get("type", "default")) or "default"
+  theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+  if kind not in ("default", "linear", "llama3"):
+    raise ValueError(f"rope type {kind!r} is not supported (supported: default, linear, llama3); "
+                     "edit rope_scaling in config.json or add the variant to cure_jax/models/layers.py")
+  return Rope(
+      head_dim=head_dim,
+      theta=theta,
+      kind=kind,
+      factor=float(params.get("factor", 1.0)),
+      low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+      high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+      original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+  )
+
+
+def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
+  """Grouped-query attention over [old slots ; new tokens] without concatenating the caches.
+
+  q: [B, A, T, H, D] queries (A = independent blocks that share the same old context);
+  k_old/v_old: [B, S, KVH, D] cached keys/values; k_new/v_new: [B, A, U, KVH, D];
+  mask_old: [B, A, T, S], mask_new: [B, A, T, U] booleans (True = visible).
+  Returns [B, A, T, H, D].
+  """
+  b, a, t, h, d = q.shape
+  kvh = k_old.shape[2]
+  qg = q.reshape(b, a, t, kvh, h // kvh, d)
+  scale = 1.0 / math.sqrt(d)
+  s_old = jnp.einsum("batkgd,bskd->bakgts", qg, k_old, preferred_element_type=jnp.float32)
+  s_new = jnp.einsum("batkgd,baukd->bakgtu", qg, k_new,
+                     preferred_element_type=jnp.float32)
+  neg = jnp.finfo(jnp.float32).min
+  s_old = jnp.where(mask_old[:, :, None, None], s_old * scale, neg)
+  s_new = jnp.where(mask_new[:, :, None, None], s_new * scale, neg)
+  probs = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
+  p_old, p_new = probs[..., :k_old.shape[1]], probs[..., k_old.shape[1]:]
+  out = (jnp.einsum("bakgts,bskd->batkgd", p_old.astype(v_old.dtype), v_old,
+                    preferred_element_type=jnp.float32) +
+         jnp.einsum("bakgtu,baukd->batkgd", p_new.astype(v_new.dtype), v_new,
+                    preferred_element_type=jnp.float32))
+  return out.reshape(b, a, t, h, d).astype(q.dtype)

@@ -1,0 +1,165 @@
+"""The target decoder: Qwen3, and Llama-family models (Qwen3 without the per-head q/k norms).
+
+The forward pass is functional: it reads a KV cache of committed tokens, attends over
+[cache slots ; new tokens] under an explicit boolean mask, and returns the new tokens' keys and
+values instead of writing them, so one call serves prefill, single-token decoding, block
+verification and tree verification alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cure_jax.cache import KVCache
+from cure_jax.models.layers import RMSNorm, Rope, SwiGLU, attend, linear, rope_from_hf
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  model_type: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_eps: float
+  rope: Rope
+  tie_embeddings: bool
+
+  @property
+  def qk_norm(self) -> bool:
+    return self.model_type == "qwen3"
+
+  @classmethod
+  def from_hf(cls, config: dict) -> "ModelConfig":
+    """Reads a transformers config.json dict; rejects what this decoder does not compute."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+      raise ValueError(f"config.json has model_type={model_type!r}; this target decoder supports "
+                       f"{SUPPORTED_MODEL_TYPES}. Point target.path at a Qwen3 or Llama checkpoint.")
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+      if config.get(flag):
+        raise ValueError(f"config.json sets {flag}=true, which this decoder does not implement.")
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+      raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    return cls(
+        model_type=model_type,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=rope_from_hf(config, head_dim),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    self.cfg = cfg
+    h, d = cfg.hidden_size, cfg.head_dim
+    self.q_proj = linear(h, cfg.num_heads * d, dtype, rngs)
+    self.k_proj = linear(h, cfg.num_kv_heads * d, dtype, rngs)
+    self.v_proj = linear(h, cfg.num_kv_heads * d, dtype, rngs)
+    self.o_proj = linear(cfg.num_heads * d, h, dtype, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(d, cfg.rms_eps, dtype)
+      self.k_norm = RMSNorm(d, cfg.rms_eps, dtype)
+
+  def __call__(self, x, positions, k_old, v_old, mask_old, mask_new):
+    """x [B, T, H]; returns the output [B, T, H] and this layer's new (k, v) [B, T, KVH, D]."""
+    b, t, _ = x.shape
+    cfg = self.cfg
+    q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = cfg.rope(q, positions), cfg.rope(k, positions)
+    out = attend(q[:, None], k_old, v_old, k[:, None], v[:, None], mask_old[:, None],
+                 mask_new[:, None])[:, 0]                                 # [B, T, H, D]
+    return self.o_proj(out.reshape(b, t, -1)), (k, v)
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    self.self_attn = Attention(cfg, dtype, rngs)
+    self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
+
+  def __call__(self, x, positions, k_old, v_old, mask_old, mask_new):
+    attn, kv = self.self_attn(self.input_layernorm(x), positions, k_old, v_old, mask_old, mask_new)
+    x = x + attn
+    return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Output(NamedTuple):
+  hidden: jax.Array           # [B, T, H] after the final norm
+  k: jax.Array                # [L, B, T, KVH, D] keys of the new tokens (not yet committed)
+  v: jax.Array                # [L, B, T, KVH, D]
+  features: jax.Array | None  # [B, T, n * H] chosen hidden states, concatenated in order
+
+
+class Qwen3(nnx.Module):
+  """Qwen3 / Llama decoder. Parameter names mirror transformers' (kernels transposed)."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
+    self.cfg = cfg
+    self.dtype = dtype
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                  rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
+    if not cfg.tie_embeddings:
+      self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
+
+  def embed(self, tokens):
+    return self.embed_tokens(tokens)
+
+  def logits(self, hidden):
+    """Float32 logits [..., V] from final hidden states [..., H]."""
+    w = self.embed_tokens.embedding[...] if self.cfg.tie_embeddings else self.lm_head.kernel[...].T
+    return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = ()):
+    """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens].
+
+    feature_layers uses the transformers `hidden_states` index: 0 is the embedding output, i the
+    output of layer i, and num_layers the final normed output.
+    """
+    s = cache.max_len
+    mask_old, mask_new = mask[..., :s], mask[..., s:]
+    x = self.embed(tokens)
+    states = {0: x}
+    ks, vs = [], []
+    for i, layer in enumerate(self.layers):
+      x, (k, v) = layer(x, positions, cache.k[i], cache.v[i], mask_old, mask_new)
+      ks.append(k)
+      vs.append(v)
+      states[i + 1] = x
+    hidden = self.norm(x)
+    states[self.cfg.num_layers] = hidden
+    features = (jnp.concatenate([states[i] for i in feature_layers], axis=-1)
+                if feature_layers else None)
+    return Output(hidden, jnp.stack(ks), jnp.stack(vs), features)
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    cfg = self.cfg
+    return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
