@@ -1,0 +1,200 @@
+"""The DFlash block drafter: a Qwen3-style stack that drafts a whole block in one pass.
+
+It has no embedding or output head of its own (it borrows the target's). Every layer attends
+with queries from the block only and keys/values from [context ; block], where the context is
+`hidden_norm(fc(concat(target hidden_states[id + 1] for id in target_layer_ids)))` of verified
+tokens. The context keys/values are projected once per layer and cached (`context_kv`); the
+block is bidirectional and sees all of the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cure_jax.cache import KVCache
+from cure_jax.models.layers import RMSNorm, Rope, SwiGLU, attend, linear, rope_from_hf
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+  """DFlash's default: draft layers spread evenly over target layers 1..L-3."""
+  if num_draft_layers == 1:
+    return (num_target_layers // 2,)
+  span = num_target_layers - 4
+  return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_eps: float
+  rope: Rope
+  block_size: int
+  mask_token_id: int
+  target_layer_ids: tuple[int, ...]
+  num_target_layers: int
+  input_embedding_scale: float = 1.0
+  output_multiplier: float = 1.0
+  logit_softcap: float | None = None
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """The target `hidden_states` indices that feed the drafter (the +1 convention)."""
+    return tuple(i + 1 for i in self.target_layer_ids)
+
+  @classmethod
+  def from_hf(cls, config: dict) -> "DFlashConfig":
+    dflash = config.get("dflash_config") or {}
+
+    def value(name, default=None):
+      return dflash.get(name, config.get(name, default))
+
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    layers = int(config["num_hidden_layers"])
+    num_target_layers = int(value("num_target_layers", 0) or 0)
+    ids = value("target_layer_ids")
+    if ids is None:
+      if not num_target_layers:
+        raise ValueError("drafter config.json has neither dflash_config.target_layer_ids nor "
+                         "num_target_layers; add one of them.")
+      ids = default_target_layer_ids(num_target_layers, layers)
+    if value("mask_token_id") is None:
+      raise ValueError("drafter config.json lacks dflash_config.mask_token_id.")
+    if config.get("layer_types") and any(t != "full_attention" for t in config["layer_types"]):
+      raise ValueError("sliding-window drafter layers are not supported; use full attention.")
+    if config.get("is_causal"):
+      raise ValueError("a causal DFlash drafter is not supported: the block must be bidirectional.")
+    softcap = value("final_logit_softcapping")
+    return cls(
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=rope_from_hf(config, head_dim),
+        block_size=int(value("block_size", 16)),
+        mask_token_id=int(value("mask_token_id")),
+        target_layer_ids=tuple(int(i) for i in ids),
+        num_target_layers=num_target_layers,
+        input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+        output_multiplier=float(value("output_multiplier", 1.0)),
+        logit_softcap=float(softcap) if softcap else None,
+    )
+
+  def check_against(self, target_cfg) -> None:
+    """Fails before anything compiles when the drafter cannot sit on this target."""
+    problems = []
+    if self.hidden_size != target_cfg.hidden_size:
+      problems.append(f"drafter hidden_size {self.hidden_size} != target hidden_size "
+                      f"{target_cfg.hidden_size}")
+    bad = [i for i in self.target_layer_ids if not 0 <= i < target_cfg.num_layers]
+    if bad:
+      problems.append(f"target_layer_ids {bad} are outside the target's {target_cfg.num_layers} "
+                      "layers")
+    if not 0 <= self.mask_token_id < target_cfg.vocab_size:
+      problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocabulary "
+                      f"({target_cfg.vocab_size})")
+    if self.block_size < 2:
+      problems.append(f"block_size {self.block_size} < 2 leaves nothing to draft")
+    if problems:
+      raise ValueError("drafter does not fit the target: " + "; ".join(problems) +
+                       ". Use the drafter trained for this target.")
+
+
+class DraftAttention(nnx.Module):
+  def __init__(self, cfg: DFlashConfig, dtype, rngs: nnx.Rngs):
+    self.cfg = cfg
+    h, d = cfg.hidden_size, cfg.head_dim
+    self.q_proj = linear(h, cfg.num_heads * d, dtype, rngs)
+    self.k_proj = linear(h, cfg.num_kv_heads * d, dtype, rngs)
+    self.v_proj = linear(h, cfg.num_kv_heads * d, dtype, rngs)
+    self.o_proj = linear(cfg.num_heads * d, h, dtype, rngs)
+    self.q_norm = RMSNorm(d, cfg.rms_eps, dtype)
+    self.k_norm = RMSNorm(d, cfg.rms_eps, dtype)
+
+  def kv(self, x, positions):
+    """x [..., T, H], positions [..., T] -> rotated k, v [..., T, KVH, D]."""
+    shape = x.shape[:-1] + (self.cfg.num_kv_heads, self.cfg.head_dim)
+    k = self.k_norm(self.k_proj(x).reshape(shape))
+    return self.cfg.rope(k, positions), self.v_proj(x).reshape(shape)
+
+  def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, block_mask):
+    """x [B, A, K, H] block states; ctx_k/v [B, S, KVH, D]; masks [B, 1, K, S], [B, A, K, K]."""
+    b, a, t, _ = x.shape
+    q = self.q_norm(self.q_proj(x).reshape(b, a, t, self.cfg.num_heads, self.cfg.head_dim))
+    q = self.cfg.rope(q, positions[:, None])
+    k, v = self.kv(x, positions[:, None])
+    out = attend(q, ctx_k, ctx_v, k, v, ctx_mask, block_mask)            # [B, A, K, H, D]
+    return self.o_proj(out.reshape(b, a, t, -1))
+
+
+class DraftLayer(nnx.Module):
+  def __init__(self, cfg: DFlashConfig, dtype, rngs: nnx.Rngs):
+    self.self_attn = DraftAttention(cfg, dtype, rngs)
+    self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
+
+  def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, block_mask):
+    x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_mask, block_mask)
+    return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlash(nnx.Module):
+  """Parameter names mirror the DFlash checkpoint (`layers.{i}...`, `fc`, `hidden_norm`, `norm`)."""
+
+  def __init__(self, cfg: DFlashConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
+    self.cfg = cfg
+    self.dtype = dtype
+    n_feat = len(cfg.target_layer_ids)
+    self.layers = nnx.List([DraftLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
+    self.fc = linear(n_feat * cfg.hidden_size, cfg.hidden_size, dtype, rngs)
+    self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    cfg = self.cfg
+    return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+  def context_kv(self, features, positions):
+    """Target features [B, T, n*H] of verified tokens -> per-layer context k, v [L, B, T, KVH, D]."""
+    c = self.hidden_norm(self.fc(features.astype(self.dtype)))
+    kvs = [layer.self_attn.kv(c, positions) for layer in self.layers]
+    return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
+
+  def __call__(self, block_embeds, positions, cache: KVCache, block_len):
+    """Drafts blocks that share one context.
+
+    block_embeds: [B, A, K, H] target embeddings of the block tokens (anchor, then mask or known
+    tokens); positions: [B, K] absolute positions; block_len: [B] keys of the block at index
+    >= block_len are hidden (a block shortened near the end of generation).
+    Returns normed hidden states [B, A, K, H].
+    """
+    k = block_embeds.shape[2]
+    x = block_embeds.astype(self.dtype) * self.cfg.input_embedding_scale
+    ctx_mask = cache.visible()[:, None, None, :]                           # [B, 1, 1, S]
+    ctx_mask = jnp.broadcast_to(ctx_mask, (x.shape[0], 1, k, cache.max_len))
+    block_mask = jnp.arange(k)[None, :] < block_len[:, None]               # [B, K]
+    block_mask = jnp.broadcast_to(block_mask[:, None, None, :], x.shape[:2] + (k, k))
+    for i, layer in enumerate(self.layers):
+      x = layer(x, positions, cache.k[i], cache.v[i], ctx_mask, block_mask)
+    return self.norm(x)
+
+  def draft_logits(self, hidden, head):
+    """Float32 draft logits from block hidden states through the target's head."""
+    logits = head(hidden) * self.cfg.output_multiplier
+    if self.cfg.logit_softcap:
+      logits = jnp.tanh(logits / self.cfg.logit_softcap) * self.cfg.logit_softcap
+    return logits

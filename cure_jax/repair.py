@@ -1,0 +1,136 @@
+"""The uncertainty gate: where to repair a draft block and how many alternatives to try.
+
+Margins are top-1 minus top-2 of the raw draft logits. Positions under `tau_margin` are
+uncertainty focal points (UFPs); up to `max_repair_positions` of them are chosen by one of three
+rules (the paper's lowest margin, the earliest, or the highest expected gain) and each gets a
+branch budget b. Repair paths (UFP u, alternative rank i < b_u) are then numbered in that order
+and capped at `beam_width`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+SELECT_RULES = ("margin", "earliest", "expected_gain")
+
+
+@dataclasses.dataclass(frozen=True)
+class RepairConfig:
+  tau_margin: float = 1.0
+  margin_scale: float = 2.0
+  b_min: int = 1
+  b_max: int = 5
+  dynamic: bool = True
+  select: str = "margin"
+  max_repair_positions: int = 1
+  v_max: int = 64
+  max_depth: int = 15
+  beam_width: int = 5
+  keep_branch0: bool = True
+  resync: bool = True
+
+  @property
+  def num_paths(self) -> int:
+    return min(self.beam_width, self.max_repair_positions * self.b_max)
+
+  def validate(self, block_size: int) -> None:
+    problems = []
+    if self.tau_margin < 0:
+      problems.append(f"tau_margin={self.tau_margin} must be >= 0 (0 disables repair)")
+    if self.margin_scale <= 0:
+      problems.append(f"margin_scale={self.margin_scale} must be > 0")
+    if not 1 <= self.b_min <= self.b_max:
+      problems.append(f"need 1 <= b_min <= b_max, got b_min={self.b_min}, b_max={self.b_max}")
+    if self.select not in SELECT_RULES:
+      problems.append(f"select={self.select!r} must be one of {SELECT_RULES}")
+    if self.max_repair_positions < 1:
+      problems.append("max_repair_positions must be >= 1")
+    if self.beam_width < 1:
+      problems.append("beam_width must be >= 1")
+    if not 1 <= self.max_depth <= block_size - 1:
+      problems.append(f"max_depth={self.max_depth} must lie in 1..block_size-1={block_size - 1}")
+    if self.v_max < self.max_depth + 1:
+      problems.append(f"v_max={self.v_max} is too small for branch 0 (root + {self.max_depth} "
+                      f"nodes): use v_max >= {self.max_depth + 1}")
+    if problems:
+      raise ValueError("invalid cure config: " + "; ".join(problems))
+
+
+@struct.dataclass
+class Gate:
+  positions: jax.Array  # [B, U] block position (1..K-1) of each chosen UFP, -1 if none
+  margins: jax.Array    # [B, U] its margin (0 where none)
+  branches: jax.Array   # [B, U] alternatives granted (0 where none)
+
+
+def expected_gain(top_logits, logsumexp, budget):
+  """Expected extra accepted tokens from repairing each position, by the drafter's own beliefs.
+
+  P(prefix before j accepted) x P(top-1 wrong but one of the b alternatives right) x
+  (1 + expected accepted run after j). top_logits [B, K-1, b_max+1] (descending),
+  logsumexp [B, K-1], budget [B, K-1] -> [B, K-1].
+  """
+  probs = jnp.exp(top_logits - logsumexp[..., None])                       # [B, K-1, b_max+1]
+  p1 = probs[..., 0]
+  ranks = jnp.arange(1, probs.shape[-1])
+  alt_mass = jnp.sum(probs[..., 1:] * (ranks <= budget[..., None]), axis=-1)
+  prefix = jnp.cumprod(jnp.concatenate([jnp.ones_like(p1[:, :1]), p1[:, :-1]], axis=1), axis=1)
+  run = jnp.zeros_like(p1[:, 0])
+  runs = []
+  for i in range(p1.shape[1] - 1, -1, -1):  # run_i = sum_{k>i} prod_{i<m<=k} p1_m
+    runs.append(run)
+    run = p1[:, i] * (1.0 + run)
+  return prefix * alt_mass * (1.0 + jnp.stack(runs[::-1], axis=1))
+
+
+def select(logits, draft_len, cfg: RepairConfig):
+  """Chooses UFPs from draft logits [B, K-1, V]; draft_len [B] usable positions.
+
+  Returns the Gate and the alternatives [B, K-1, b_max] (draft ranks 2..b_max+1).
+  """
+  top, idx = jax.lax.top_k(logits, cfg.b_max + 1)                          # [B, K-1, b_max+1]
+  margins = top[..., 0] - top[..., 1]
+  if cfg.dynamic:
+    u = jnp.clip(1.0 - margins / cfg.margin_scale, 0.0, 1.0)
+    budget = cfg.b_min + jnp.round(u * (cfg.b_max - cfg.b_min)).astype(jnp.int32)
+  else:
+    budget = jnp.full(margins.shape, cfg.b_max, jnp.int32)
+  pos = jnp.arange(margins.shape[1])[None]                                  # block position - 1
+  ok = (margins < cfg.tau_margin) & (pos < draft_len[:, None]) & (pos < cfg.max_depth)
+  if cfg.select == "margin":
+    score = margins
+  elif cfg.select == "earliest":
+    score = jnp.broadcast_to(pos, margins.shape).astype(jnp.float32)
+  else:
+    score = -expected_gain(top, jax.nn.logsumexp(logits, axis=-1), budget)
+  score = jnp.where(ok, score, jnp.inf)
+  _, chosen = jax.lax.top_k(-score, cfg.max_repair_positions)              # [B, U] best first
+  chosen_ok = jnp.take_along_axis(ok, chosen, axis=1)
+  gate = Gate(
+      positions=jnp.where(chosen_ok, chosen + 1, -1),
+      margins=jnp.where(chosen_ok, jnp.take_along_axis(margins, chosen, axis=1), 0.0),
+      branches=jnp.where(chosen_ok, jnp.take_along_axis(budget, chosen, axis=1), 0),
+  )
+  return gate, idx[..., 1:]
+
+
+def repair_paths(gate: Gate, alternatives, num_paths: int):
+  """Numbers the repair paths (UFP order, then alternative rank) and keeps num_paths of them.
+
+  Returns focal depth [B, R], substituted token [B, R] and validity [B, R].
+  """
+  b, u = gate.positions.shape
+  b_max = alternatives.shape[-1]
+  rank = jnp.arange(b_max)
+  pair_ok = (rank[None, None] < gate.branches[..., None]).reshape(b, u * b_max)
+  key = jnp.where(pair_ok, jnp.arange(u * b_max)[None], u * b_max + jnp.arange(u * b_max)[None])
+  order = jnp.argsort(key, axis=1)[:, :num_paths]                           # [B, R]
+  valid = jnp.take_along_axis(pair_ok, order, axis=1)
+  depth = jnp.take_along_axis(gate.positions, order // b_max, axis=1)
+  alt_rows = jnp.take_along_axis(alternatives, jnp.maximum(depth - 1, 0)[..., None], axis=1)
+  alt = jnp.take_along_axis(alt_rows, (order % b_max)[..., None], axis=2)[..., 0]
+  return jnp.where(valid, depth, 1), jnp.where(valid, alt, 0), valid
