@@ -1,0 +1,29 @@
+"""Fields shared by every decoding config; each config file overrides what differs."""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.method = "cure"            # ar | chain | cure | ar_draft
+  config.target = ml_collections.ConfigDict(dict(path=""))
+  config.drafter = ml_collections.ConfigDict(dict(
+      path="",                      # DFlash directory (chain, cure) or small Qwen3 (ar_draft)
+      block_size=0,                 # 0: the drafter's own block size; for ar_draft gamma + 1
+      gamma=4,                      # ar_draft: drafted tokens per iteration
+  ))
+  config.dtype = "float32"          # parameter dtype: float32 | bfloat16
+  config.prompts = ""               # JSONL: {"prompt": text} or {"prompt_ids": [ints]} per line
+  config.num_prompts = 0            # 0: all
+  config.chat_template = True       # wrap text prompts in the tokenizer's chat template
+  config.max_new_tokens = 128
+  config.ignore_eos = False         # True: decode exactly max_new_tokens
+  config.max_len = 0                # static cache length; 0: prompt + max_new_tokens
+  config.batch_size = 1
+  config.output = ""                # JSON path; empty: print text and a summary line
+  config.check_ar = False           # also decode target-only and report token equality
+  config.cure = ml_collections.ConfigDict(dict(
+      tau_margin=1.0, margin_scale=2.0, b_min=1, b_max=5, dynamic=True, select="margin",
+      max_repair_positions=1, v_max=64, max_depth=15, beam_width=5, keep_branch0=True,
+      resync=True))
+  return config

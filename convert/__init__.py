@@ -1,0 +1,1 @@
+"""Checkpoint converters: bring external model formats into Hugging Face directories."""

@@ -1,0 +1,132 @@
+"""From a decoding config to results: load models, encode prompts, decode, summarise.
+
+Shared by `experiments.decode` and the benchmarks, so every entry point reads configs the same
+way and reports the same JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from cure_jax import prompts as prompts_lib, repair
+from cure_jax.generation import Generator, Result
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_of(config):
+  if config.dtype not in DTYPES:
+    raise ValueError(f"dtype={config.dtype!r}; choose one of {sorted(DTYPES)}")
+  return DTYPES[config.dtype]
+
+
+def load_target(config):
+  from convert.qwen3 import load_target
+  if not config.target.path:
+    raise ValueError("set --config.target.path to a Qwen3/Llama HF directory or converted checkpoint")
+  return load_target(config.target.path, dtype_of(config))
+
+
+def load_drafter(config, target):
+  """The drafter the method needs (None for ar), checked against the target."""
+  if config.method == "ar":
+    return None
+  if not config.drafter.path:
+    raise ValueError(f"method={config.method!r} needs --config.drafter.path")
+  if config.method == "ar_draft":
+    from convert.qwen3 import load_target
+    return load_target(config.drafter.path, dtype_of(config))
+  from convert.dflash import load_drafter
+  return load_drafter(config.drafter.path, dtype_of(config), target_cfg=target.cfg)
+
+
+def load_tokenizer(path: str):
+  """The checkpoint's tokenizer, or None when it ships without one (ids-only prompts)."""
+  from transformers import AutoTokenizer
+  try:
+    return AutoTokenizer.from_pretrained(path)
+  except (OSError, ValueError):
+    return None
+
+
+def stop_ids(path: str, tokenizer) -> tuple[int, ...]:
+  """EOS ids from generation_config.json, config.json and the tokenizer."""
+  ids = set()
+  for name in ("generation_config.json", "config.json"):
+    f = Path(path) / name
+    if f.is_file():
+      eos = json.loads(f.read_text()).get("eos_token_id")
+      ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+  if tokenizer is not None and tokenizer.eos_token_id is not None:
+    ids.add(tokenizer.eos_token_id)
+  return tuple(sorted(int(i) for i in ids))
+
+
+def repair_config(config, block_size: int) -> repair.RepairConfig:
+  """The cure settings; max_depth is capped at the drafter's block_size - 1."""
+  c = dict(config.cure)
+  c["max_depth"] = min(int(c["max_depth"]), block_size - 1)
+  return repair.RepairConfig(**c)
+
+
+def make_generator(config, target, drafter, stops=(), method: str | None = None) -> Generator:
+  method = method or config.method
+  block = int(config.drafter.block_size) or None
+  if method == "ar_draft" and not block:
+    block = int(config.drafter.gamma) + 1
+  if method in ("chain", "cure"):
+    block = block or drafter.cfg.block_size
+  return Generator(target, drafter, method=method, max_new_tokens=int(config.max_new_tokens),
+                   stop_ids=() if config.ignore_eos else stops, block_size=block,
+                   cure=repair_config(config, block) if method == "cure" else None,
+                   max_len=int(config.max_len) or None)
+
+
+def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,
+               progress=None) -> list[Result]:
+  results = []
+  for i in range(0, len(ids), batch_size):
+    results.extend(generator.generate(ids[i:i + batch_size]))
+    if progress is not None:
+      progress(len(results))
+  return results
+
+
+def summary(results: list[Result]) -> dict:
+  lens = [a for r in results for a in r.accept_lengths]
+  tokens = sum(len(r.output_ids) for r in results)
+  decode_s = sum(r.decode_s for r in results)
+  return dict(prompts=len(results), generated_tokens=tokens, iterations=len(lens),
+              tau=float(np.mean(lens)) if lens else 0.0,
+              tpot_ms=float(np.mean([r.tpot_ms for r in results])),
+              tokens_per_s=float(sum(len(r.output_ids) - 1 for r in results) / max(decode_s, 1e-9)))
+
+
+def result_rows(results: list[Result], tokenizer) -> list[dict]:
+  rows = []
+  for r in results:
+    row = dataclasses.asdict(r)
+    row["text"] = tokenizer.decode(r.output_ids, skip_special_tokens=True) if tokenizer else ""
+    rows.append(row)
+  return rows
+
+
+def write_json(path: str, obj) -> None:
+  """Writes JSON atomically: a temporary file in the same folder, then a rename."""
+  dest = Path(path)
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(obj, f, indent=1)
+    os.replace(tmp, dest)
+  except BaseException:
+    os.unlink(tmp)
+    raise

@@ -1,0 +1,51 @@
+"""Decode prompts with one method and report tokens, tau and speed.
+
+  python -m experiments.decode --config=configs/qwen3_8b.py --config.method=cure \
+    --config.target.path=DIR --config.drafter.path=DIR --config.prompts=FILE.jsonl \
+    --config.output=OUT.json
+"""
+
+from absl import app
+from ml_collections import config_flags
+
+from cure_jax import pipeline, prompts as prompts_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
+                                          "ml_collections config file")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  target = pipeline.load_target(config)
+  drafter = pipeline.load_drafter(config, target)
+  tokenizer = pipeline.load_tokenizer(config.target.path)
+  rows = (prompts_lib.read_jsonl(config.prompts) if config.prompts
+          else prompts_lib.humaneval_prompts()[:1])
+  if config.num_prompts:
+    rows = rows[:config.num_prompts]
+  ids = prompts_lib.encode(rows, tokenizer, config.chat_template, target.cfg.vocab_size)
+  stops = pipeline.stop_ids(config.target.path, tokenizer)
+  generator = pipeline.make_generator(config, target, drafter, stops)
+  results = pipeline.decode_all(generator, ids, config.batch_size)
+  summary = pipeline.summary(results)
+  summary["compile_s"] = sum(generator.compile_s.values())
+  if config.check_ar and config.method != "ar":
+    reference = pipeline.decode_all(pipeline.make_generator(config, target, None, stops, "ar"),
+                                    ids, config.batch_size)
+    summary["equal_to_ar"] = sum(r.output_ids == a.output_ids for r, a in zip(results, reference))
+    summary["ar_tpot_ms"] = pipeline.summary(reference)["tpot_ms"]
+  if config.output:
+    pipeline.write_json(config.output, dict(config=config.to_dict(), summary=summary,
+                                            results=pipeline.result_rows(results, tokenizer)))
+    print(f"wrote {config.output}: {summary}")
+    return
+  for row in pipeline.result_rows(results, tokenizer):
+    print(row["text"])
+    print("-" * 40)
+  print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                 for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+  app.run(main)

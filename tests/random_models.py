@@ -1,0 +1,73 @@
+"""Small random targets and drafters built directly in JAX, for invariants and losslessness.
+
+Tiny vocabularies make a random drafter agree with a random target often enough (and let a few
+alternatives cover most of the vocabulary), so acceptance and repair wins actually happen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cure_jax.models.dflash import DFlash, DFlashConfig
+from cure_jax.models.layers import Rope
+from cure_jax.models.qwen3 import ModelConfig, Qwen3
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+  vocab: int = 8
+  hidden: int = 32
+  layers: int = 3
+  heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 8
+  model_type: str = "qwen3"
+  tie: bool = False
+  draft_layers: int = 2
+  block_size: int = 6
+  target_layer_ids: tuple[int, ...] = (0, 2)
+
+  def target_cfg(self) -> ModelConfig:
+    return ModelConfig(self.model_type, self.vocab, self.hidden, 2 * self.hidden, self.layers,
+                       self.heads, self.kv_heads, self.head_dim, 1e-6,
+                       Rope(self.head_dim, 10000.0), self.tie)
+
+  def drafter_cfg(self) -> DFlashConfig:
+    return DFlashConfig(self.hidden, 2 * self.hidden, self.draft_layers, self.heads,
+                        self.kv_heads, self.head_dim, 1e-6, Rope(self.head_dim, 10000.0),
+                        self.block_size, self.vocab - 1, self.target_layer_ids, self.layers)
+
+
+def _perturb(module, seed: int, logit_scale: float):
+  """Random norm weights (non-trivial norms) and a sharper output head."""
+  graphdef, state = nnx.split(module)
+  rng = np.random.default_rng(seed)
+  for path, var in nnx.to_flat_state(state):
+    if path[-1] == "weight":
+      var.set_value(jnp.asarray(1.0 + 0.3 * rng.standard_normal(var.shape), var.dtype))
+    if path[0] in ("embed_tokens", "lm_head"):
+      var.set_value(var.get_value() * logit_scale)
+  return nnx.merge(graphdef, state)
+
+
+def pair(arch: Arch, seed: int, logit_scale: float = 3.0):
+  """A random (target, DFlash drafter) pair; same arch => same compiled code."""
+  target = _perturb(Qwen3(arch.target_cfg(), rngs=nnx.Rngs(seed)), seed, logit_scale)
+  drafter = _perturb(DFlash(arch.drafter_cfg(), rngs=nnx.Rngs(seed + 10_000)), seed + 1, 1.0)
+  return target, drafter
+
+
+def ar_drafter(arch: Arch, seed: int) -> Qwen3:
+  """A one-layer random Qwen3 with the target's vocabulary, for naive speculative decoding."""
+  cfg = dataclasses.replace(arch.target_cfg(), num_layers=1)
+  return _perturb(Qwen3(cfg, rngs=nnx.Rngs(seed + 20_000)), seed + 2, 3.0)
+
+
+def prompts(seed: int, vocab: int, count: int, lo: int = 3, hi: int = 12) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, vocab - 1, rng.integers(lo, hi + 1)).tolist() for _ in range(count)]
