@@ -108,8 +108,12 @@ def select(logits, draft_len, cfg: RepairConfig):
   else:
     score = -expected_gain(top, jax.nn.logsumexp(logits, axis=-1), budget)
   score = jnp.where(ok, score, jnp.inf)
-  _, chosen = jax.lax.top_k(-score, cfg.max_repair_positions)              # [B, U] best first
+  u = cfg.max_repair_positions
+  _, chosen = jax.lax.top_k(-score, min(u, score.shape[1]))                # best first
   chosen_ok = jnp.take_along_axis(ok, chosen, axis=1)
+  if chosen.shape[1] < u:  # fewer block positions than UFP slots
+    pad = ((0, 0), (0, u - chosen.shape[1]))
+    chosen, chosen_ok = jnp.pad(chosen, pad), jnp.pad(chosen_ok, pad)
   gate = Gate(
       positions=jnp.where(chosen_ok, chosen + 1, -1),
       margins=jnp.where(chosen_ok, jnp.take_along_axis(margins, chosen, axis=1), 0.0),
