@@ -20,6 +20,11 @@ def base_config() -> ml_collections.ConfigDict:
   config.ignore_eos = False         # True: decode exactly max_new_tokens
   config.max_len = 0                # static cache length; 0: prompt + max_new_tokens
   config.batch_size = 1
+  config.mesh = ml_collections.ConfigDict(dict(
+      data=1,                       # batch split over this many devices
+      model=1,                      # tensor parallel: heads, MLP and vocabulary split this ways
+      distributed=False,            # multi-host (TPU pod): jax.distributed.initialize() first
+  ))                                # data * model must equal the device count; 1 x 1: no sharding
   config.output = ""                # JSON path; empty: print text and a summary line
   config.check_ar = False           # also decode target-only and report token equality
   config.cure = ml_collections.ConfigDict(dict(

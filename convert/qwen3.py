@@ -28,8 +28,11 @@ def hf_name(path: checkpoint.StatePath) -> str:
   return checkpoint.hf_name(path, "" if path[0] == "lm_head" else "model.")
 
 
-def _read_state(path: str | os.PathLike, dtype, progress: bool):
-  """(config dict, graphdef, state) of an HF directory or a converted checkpoint at `path`."""
+def _read_state(path: str | os.PathLike, dtype, progress: bool, placement=None):
+  """(config dict, graphdef, state) of an HF directory or a converted checkpoint at `path`.
+
+  `placement` (cure_jax.sharding.placement(mesh)) puts each tensor straight onto its devices.
+  """
   path = Path(path)
   if not path.exists():
     raise FileNotFoundError(f"{path} does not exist; pass a Hugging Face Qwen3/Llama directory or "
@@ -42,18 +45,22 @@ def _read_state(path: str | os.PathLike, dtype, progress: bool):
   cfg = ModelConfig.from_hf(config)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, jnp.dtype(dtype))))
   if meta is not None:
+    if placement is not None:  # restore each leaf straight into its sharding
+      abstract = placement.annotate(abstract)
     return config, graphdef, checkpoint.load_checkpoint(abstract, path)
   # transformers shares embed_tokens as the head of a tied model and ignores a stored lm_head.
   ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
   state = checkpoint.stream_params(abstract, path, hf_name, jnp.dtype(dtype), progress,
-                                   ignore=ignore)
+                                   ignore=ignore, placement=placement)
   return config, graphdef, state
 
 
-def load_target(path: str | os.PathLike, dtype=jnp.bfloat16, progress: bool = True) -> Qwen3:
+def load_target(path: str | os.PathLike, dtype=jnp.bfloat16, progress: bool = True,
+                placement=None) -> Qwen3:
   """The target model from an HF directory (converted while loading) or a converted checkpoint
-  (recognised by its cure_jax.json), with parameters in `dtype`."""
-  _, graphdef, state = _read_state(path, dtype, progress)
+  (recognised by its cure_jax.json), with parameters in `dtype`; with a `placement`
+  (cure_jax.sharding.placement(mesh)) each tensor is loaded straight onto its shards."""
+  _, graphdef, state = _read_state(path, dtype, progress, placement)
   return nnx.merge(graphdef, state)
 
 

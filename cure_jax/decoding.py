@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from cure_jax import drafting, verify
+from cure_jax import drafting, sampling, verify
 from cure_jax.cache import KVCache
 from cure_jax.drafting import Spec
 
@@ -26,16 +26,18 @@ class Stats:
   accept_lengths: jax.Array   # tokens emitted (accepted drafts + bonus, after truncation)
   nodes_verified: jax.Array
   winning_branch: jax.Array
+  branch0_accepted: jax.Array # draft tokens branch 0 alone got accepted
   repair_gain: jax.Array      # accepted by the winner minus accepted by branch 0
   ufp_positions: jax.Array    # [B, N, U]
   ufp_margins: jax.Array      # [B, N, U]
   branches: jax.Array         # [B, N, U]
+  block_margins: jax.Array    # [B, N, K-1] top-1 minus top-2 of the main draft's logits
 
   @classmethod
-  def zeros(cls, batch: int, n: int, u: int) -> "Stats":
+  def zeros(cls, batch: int, n: int, u: int, k: int) -> "Stats":
     z = jnp.zeros((batch, n), jnp.int32)
-    return cls(z, z, z, z, jnp.full((batch, n, u), -1, jnp.int32), jnp.zeros((batch, n, u)),
-               jnp.zeros((batch, n, u), jnp.int32))
+    return cls(z, z, z, z, z, jnp.full((batch, n, u), -1, jnp.int32), jnp.zeros((batch, n, u)),
+               jnp.zeros((batch, n, u), jnp.int32), jnp.zeros((batch, n, max(k - 1, 0))))
 
 
 @struct.dataclass
@@ -48,6 +50,7 @@ class State:
   done: jax.Array             # [B]
   iterations: jax.Array       # [B] iterations run per sequence
   step: jax.Array             # [] loop counter
+  key: jax.Array              # PRNG key (used when sampling)
   stats: Stats
 
 
@@ -62,27 +65,30 @@ def _is_stop(spec: Spec, tokens):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def prefill(graphdef, params, prompt, prompt_len, *, spec: Spec) -> State:
-  """prompt [B, P] right-padded ids, prompt_len [B] -> the state before the first iteration."""
+def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> State:
+  """prompt [B, P] right-padded ids, prompt_len [B], a PRNG key (for sampling; default seed 0)
+  -> the state before the first iteration."""
+  key = jax.random.key(0) if key is None else key
   target, drafter = _merge(graphdef, params)
   b, p = prompt.shape
   s = spec.max_len
   positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-  causal = jnp.tril(jnp.ones((p, p), bool))[None] & (jnp.arange(p)[None, None] < prompt_len[:,
-                                                                                           None, None])
-  mask = jnp.concatenate([jnp.zeros((b, p, s), bool), causal], axis=-1)
-  cache = target.init_cache(b, s)
-  out = target(prompt, positions, cache, mask, spec.feature_layers)
+  # The prompt attends to itself only: an empty (length-0) cache keeps XLA from constant-folding
+  # attention over an all-zero cache, which can take minutes at large batch.
+  mask = jnp.tril(jnp.ones((p, p), bool))[None] & (jnp.arange(p)[None, None] <
+                                                   prompt_len[:, None, None])
+  out = target(prompt, positions, target.init_cache(b, 0), mask, spec.feature_layers)
   last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
-  first = jnp.argmax(target.logits(last), axis=-1).astype(jnp.int32)
-  cache = cache.append(out.k, out.v, prompt_len)
+  key, sub = jax.random.split(key)
+  first, _ = drafting.choose(spec, sub, target.logits(last))
+  cache = target.init_cache(b, s).append(out.k, out.v, prompt_len)
 
   dcache = None
   if spec.method in ("chain", "cure"):
     k, v = drafter.context_kv(out.features, positions)
     dcache = drafter.init_cache(b, s).append(k, v, prompt_len)
   elif spec.method == "ar_draft":
-    dout = drafter(prompt, positions, drafter.init_cache(b, s), mask)
+    dout = drafter(prompt, positions, drafter.init_cache(b, 0), mask)
     dcache = drafter.init_cache(b, s).append(dout.k, dout.v, prompt_len)
 
   n = spec.max_new_tokens
@@ -90,8 +96,8 @@ def prefill(graphdef, params, prompt, prompt_len, *, spec: Spec) -> State:
   tokens = jnp.zeros((b, n + spec.block_size), jnp.int32).at[:, 0].set(first)
   return State(cache=cache, dcache=dcache, anchor=first, tokens=tokens,
                produced=jnp.ones((b,), jnp.int32), done=_is_stop(spec, first) | (n <= 1),
-               iterations=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32),
-               stats=Stats.zeros(b, n, u))
+               iterations=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
+               stats=Stats.zeros(b, n, u, spec.block_size))
 
 
 def iteration(target, drafter, spec: Spec, st: State) -> State:
@@ -99,13 +105,19 @@ def iteration(target, drafter, spec: Spec, st: State) -> State:
   active = ~st.done
   lengths = st.cache.lengths
   limit = drafting.depth_limit(spec, lengths, st.produced)
-  proposal, dcache = drafting.propose(target, drafter, st.dcache, spec, st.anchor, lengths, limit)
+  key, key_draft, key_verify = jax.random.split(st.key, 3)
+  proposal, dcache = drafting.propose(target, drafter, st.dcache, spec, key_draft, st.anchor,
+                                      lengths, limit)
   tree = proposal.tree
   out = target(tree.tokens, tree.positions(lengths), st.cache, tree.attention_mask(
       st.cache.visible()), spec.feature_layers)
-  target_argmax = jnp.argmax(target.logits(out.hidden), axis=-1).astype(jnp.int32)
+  logits = target.logits(out.hidden)                                       # [B, V, N]
   k = spec.block_size
-  verdict = verify.greedy(tree, target_argmax, k)
+  if spec.sampling.greedy:
+    verdict = verify.greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), k)
+  else:
+    verdict = verify.stochastic(tree, sampling.warp(logits, spec.sampling), proposal.q,
+                                proposal.deterministic, key_verify, k, spec.max_children)
 
   # Tokens emitted: the accepted nodes after the root, then the bonus token.
   i = jnp.arange(k)[None]
@@ -140,8 +152,11 @@ def iteration(target, drafter, spec: Spec, st: State) -> State:
       nodes_verified=record(stats.nodes_verified, jnp.sum(tree.valid, axis=1).astype(jnp.int32)),
       winning_branch=record(stats.winning_branch,
                             jnp.take_along_axis(tree.branch, verdict.winner[:, None], axis=1)[:, 0]),
+      branch0_accepted=record(stats.branch0_accepted, verdict.branch0_accepted),
       repair_gain=record(stats.repair_gain, verdict.accepted - verdict.branch0_accepted),
   )
+  if proposal.block_margins is not None:
+    stats = stats.replace(block_margins=record(stats.block_margins, proposal.block_margins))
   if gate is not None:
     stats = stats.replace(ufp_positions=record(stats.ufp_positions, gate.positions),
                           ufp_margins=record(stats.ufp_margins, gate.margins),
@@ -149,7 +164,8 @@ def iteration(target, drafter, spec: Spec, st: State) -> State:
   return st.replace(cache=cache, dcache=dcache, anchor=jnp.where(active, verdict.next_token,
                                                                  st.anchor),
                     tokens=tokens, produced=produced, done=done,
-                    iterations=st.iterations + active.astype(jnp.int32), step=it + 1, stats=stats)
+                    iterations=st.iterations + active.astype(jnp.int32), step=it + 1, key=key,
+                    stats=stats)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))

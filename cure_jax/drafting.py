@@ -16,8 +16,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from cure_jax import repair, tree as tree_lib
+from flax import struct
+
+from cure_jax import repair, sampling, tree as tree_lib
 from cure_jax.cache import KVCache, take_tokens
+from cure_jax.sampling import Sampling
 
 METHODS = ("ar", "chain", "cure", "ar_draft")
 
@@ -34,6 +37,7 @@ class Spec:
   mask_token_id: int = 0
   feature_layers: tuple[int, ...] = ()
   cure: repair.RepairConfig | None = None
+  sampling: Sampling = Sampling()
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -43,11 +47,19 @@ class Spec:
   def max_depth(self) -> int:
     return self.cure.max_depth if self.method == "cure" else self.block_size - 1
 
+  @property
+  def max_children(self) -> int:
+    """Most children one tree node can have (siblings tested in turn when sampling)."""
+    return 1 + self.cure.num_paths if self.method == "cure" else 1
 
-@dataclasses.dataclass
+
+@struct.dataclass
 class Proposal:
   tree: tree_lib.Tree
   gate: repair.Gate | None = None
+  block_margins: jax.Array | None = None  # [B, K-1] top-1 minus top-2 of the main draft
+  q: jax.Array | None = None              # [B, V, N] distribution each node was drawn from
+  deterministic: jax.Array | None = None  # [B, V] nodes placed by rank (one-hot q)
 
 
 def depth_limit(spec: Spec, lengths, produced):
@@ -57,10 +69,20 @@ def depth_limit(spec: Spec, lengths, produced):
   return jnp.clip(jnp.minimum(jnp.minimum(owed, room), spec.max_depth), 0, None)
 
 
-def _dflash_block(target, drafter, dcache, spec: Spec, anchor, lengths, limit, known=None):
-  """One DFlash pass. known [B, A, K-1] tokens at block positions 1.. (mask id = unknown).
+def choose(spec: Spec, key, logits):
+  """Draft tokens from logits [..., V]: argmax, or a draw from the warped distribution q.
 
-  Returns greedy draft tokens and float32 logits [B, A, K-1(, V)].
+  Returns tokens [...] and q [..., V] (None when greedy)."""
+  if spec.sampling.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+  q = sampling.warp(logits, spec.sampling)
+  return sampling.draw(key, q), q
+
+
+def _dflash_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit, known=None):
+  """One DFlash pass; known [B, A, K-1] tokens at block positions 1.. (mask id = unknown).
+
+  Returns float32 draft logits [B, A, K-1, V].
   """
   k = spec.block_size
   b = anchor.shape[0]
@@ -70,44 +92,80 @@ def _dflash_block(target, drafter, dcache, spec: Spec, anchor, lengths, limit, k
                             known], axis=-1)                                # [B, A, K]
   positions = lengths[:, None] + jnp.arange(k)[None]                       # [B, K]
   hidden = drafter(target.embed(blocks), positions, dcache, limit + 1)
-  logits = drafter.draft_logits(hidden[:, :, 1:], target.logits)    # [B, A, K-1, V]
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+  return drafter.draft_logits(hidden[:, :, 1:], target.logits)
 
 
-def propose(target, drafter, dcache, spec: Spec, anchor, lengths, limit):
+def _node_table(tree, root_row, rows):
+  """Per-node values [B, V, ...] from raw rows [B, N-1, ...] (branch 0, then paths)."""
+  table = jnp.concatenate([root_row, rows], axis=1)
+  idx = tree.source.reshape(tree.source.shape + (1,) * (table.ndim - 2))
+  return jnp.take_along_axis(table, idx, axis=1)
+
+
+def propose(target, drafter, dcache, spec: Spec, key, anchor, lengths, limit):
   """Builds this iteration's candidate tree; returns it and the drafter cache (ar_draft extends
   it while drafting)."""
   b = anchor.shape[0]
   if spec.method == "ar":
     empty = jnp.zeros((b, 0), jnp.int32)
     return Proposal(tree_lib.build(anchor, empty, limit, v_max=1)), dcache
+  key_main, key_repair = jax.random.split(key)
   if spec.method == "ar_draft":
-    draft, dcache = _autoregressive_draft(drafter, dcache, spec, anchor, lengths)
-    return Proposal(tree_lib.build(anchor, draft, limit, v_max=spec.block_size)), dcache
-  draft, logits = _dflash_block(target, drafter, dcache, spec, anchor, lengths, limit)
-  draft, logits = draft[:, 0], logits[:, 0]                                 # [B, K-1(, V)]
+    draft, q_main, dcache = _autoregressive_draft(drafter, dcache, spec, key_main, anchor, lengths)
+    return _chain(spec, anchor, draft, q_main, limit), dcache
+  logits = _dflash_logits(target, drafter, dcache, spec, anchor, lengths, limit)[:, 0]
+  draft, q_main = choose(spec, key_main, logits)                             # [B, K-1(, V)]
   if spec.method == "chain":
-    return Proposal(tree_lib.build(anchor, draft, limit, v_max=spec.block_size)), dcache
+    return _chain(spec, anchor, draft, q_main, limit, logits), dcache
+  return _repair_tree(target, drafter, dcache, spec, key_repair, anchor, lengths, limit, draft,
+                      q_main, logits), dcache
+
+
+def _chain(spec: Spec, anchor, draft, q_main, limit, logits=None) -> Proposal:
+  t = tree_lib.build(anchor, draft, limit, v_max=spec.block_size)
+  margins = None if logits is None else repair.margins(logits)
+  if q_main is None:
+    return Proposal(t, block_margins=margins)
+  q = _node_table(t, jnp.zeros_like(q_main[:, :1]), q_main)
+  return Proposal(t, block_margins=margins, q=q, deterministic=jnp.zeros(t.valid.shape, bool))
+
+
+def _repair_tree(target, drafter, dcache, spec: Spec, key, anchor, lengths, limit, draft, q_main,
+                 logits) -> Proposal:
+  """Branch 0 plus repair paths: alternatives at the gate's UFPs, suffixes re-drafted by DFlash
+  with the substituted token (and the shared prefix) filled into the block."""
   cfg = spec.cure
-  gate, alternatives = repair.select(logits, limit, cfg)
+  gate, alternatives = repair.select(logits, draft, limit, cfg)
   depth, alt, valid = repair.repair_paths(gate, alternatives, cfg.num_paths)
   d = jnp.arange(1, spec.block_size)[None, None]                            # [1, 1, K-1]
   j = depth[..., None]
   known = jnp.where(d < j, draft[:, None], jnp.where(d == j, alt[..., None], spec.mask_token_id))
+  b, r = depth.shape
+  n_vocab = logits.shape[-1]
+  empty_q = jnp.zeros((b, r, spec.block_size - 1, 0 if spec.sampling.greedy else n_vocab))
 
   def redraft():
-    suffix, _ = _dflash_block(target, drafter, dcache, spec, anchor, lengths, limit, known)
-    return jnp.where(d <= j, known, suffix)
+    suffix, q_paths = choose(spec, key, _dflash_logits(target, drafter, dcache, spec, anchor,
+                                                       lengths, limit, known))
+    return jnp.where(d <= j, known, suffix), empty_q if q_paths is None else q_paths
 
-  path_tokens = jax.lax.cond(jnp.any(valid), redraft, lambda: known)
+  path_tokens, q_paths = jax.lax.cond(jnp.any(valid), redraft, lambda: (known, empty_q))
   t = tree_lib.build(anchor, draft, limit, v_max=cfg.v_max, keep_branch0=cfg.keep_branch0,
                      path_tokens=path_tokens, path_depth=depth, path_valid=valid)
-  return Proposal(t, gate), dcache
+  proposal = Proposal(t, gate=gate, block_margins=repair.margins(logits))
+  if spec.sampling.greedy:
+    return proposal
+  rows = jnp.concatenate([q_main, q_paths.reshape(b, -1, n_vocab)], axis=1)
+  det_rows = jnp.concatenate([jnp.zeros(draft.shape, bool),
+                              jnp.broadcast_to(d == j, path_tokens.shape).reshape(b, -1)], axis=1)
+  return proposal.replace(q=_node_table(t, jnp.zeros_like(q_main[:, :1]), rows),
+                          deterministic=_node_table(t, jnp.zeros((b, 1), bool), det_rows))
 
 
-def _autoregressive_draft(model, cache, spec: Spec, anchor, lengths):
-  """gamma greedy tokens from the AR drafter; it also consumes the last draft so that every
-  accepted token is in its cache. Returns drafts [B, gamma] and the extended drafter cache."""
+def _autoregressive_draft(model, cache, spec: Spec, key, anchor, lengths):
+  """gamma tokens from the AR drafter, which also consumes the last draft so that every accepted
+  token is in its cache. Returns drafts [B, gamma], their q [B, gamma, V] (None when greedy) and
+  the extended drafter cache."""
   gamma = spec.block_size - 1
 
   def step(carry, i):
@@ -115,11 +173,13 @@ def _autoregressive_draft(model, cache, spec: Spec, anchor, lengths):
     mask = jnp.concatenate([cache.visible()[:, None, :], jnp.ones((token.shape[0], 1, 1), bool)],
                            axis=-1)
     out = model(token[:, None], (lengths + i)[:, None], cache, mask)
-    nxt = jnp.argmax(model.logits(out.hidden[:, 0]), axis=-1).astype(jnp.int32)
-    return (cache.append(out.k, out.v, jnp.ones_like(lengths)), nxt), nxt
+    nxt, q = choose(spec, jax.random.fold_in(key, i), model.logits(out.hidden[:, 0]))
+    q = jnp.zeros((token.shape[0], 0)) if q is None else q
+    return (cache.append(out.k, out.v, jnp.ones_like(lengths)), nxt), (nxt, q)
 
-  (cache, _), drafts = jax.lax.scan(step, (cache, anchor), jnp.arange(gamma + 1))
-  return drafts[:gamma].T, cache
+  (cache, _), (drafts, qs) = jax.lax.scan(step, (cache, anchor), jnp.arange(gamma + 1))
+  q_main = None if spec.sampling.greedy else jnp.moveaxis(qs[:gamma], 0, 1)
+  return drafts[:gamma].T, q_main, cache
 
 
 def resync(drafter, dcache, spec: Spec, proposal: Proposal, features, path, lengths, count):

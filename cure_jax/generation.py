@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cure_jax import decoding, repair
+from cure_jax import decoding, repair, sharding
 from cure_jax.drafting import Spec
+from cure_jax.sampling import Sampling
 from cure_jax.models.dflash import DFlash
 
 PROMPT_BUCKET = 32
-_EXECUTABLES: dict[tuple, tuple] = {}  # (graphdef, Spec, batch, bucket) -> (prefill, decode)
+_EXECUTABLES: dict[tuple, tuple] = {}  # (graphdef, Spec, batch, bucket, mesh) -> (prefill, decode)
 
 
 @dataclasses.dataclass
@@ -33,11 +34,16 @@ def _round_up(x: int, m: int) -> int:
 
 
 class Generator:
-  """Decodes token-id prompts with one method; construct once, call `generate` many times."""
+  """Decodes token-id prompts with one method; construct once, call `generate` many times.
+
+  With a `mesh` (cure_jax.sharding.make_mesh) the parameters are sharded by the partition rules
+  and each batch is padded to a multiple of mesh.data and split over it.
+  """
 
   def __init__(self, target, drafter=None, *, method: str, max_new_tokens: int,
                stop_ids=(), block_size: int | None = None, cure: repair.RepairConfig | None = None,
-               max_len: int | None = None):
+               max_len: int | None = None, mesh=None, sampling: Sampling = Sampling(),
+               seed: int = 0):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if method != "ar" and drafter is None:
@@ -64,9 +70,19 @@ class Generator:
     if method == "cure":
       cure = cure or repair.RepairConfig(max_depth=block_size - 1)
       cure.validate(block_size)
+      if cure.b_max >= target.cfg.vocab_size:
+        raise ValueError(f"cure.b_max={cure.b_max} alternatives need a vocabulary of more than "
+                         f"{cure.b_max} tokens (target has {target.cfg.vocab_size})")
     self.block_size = block_size
+    sampling.validate()
+    self.sampling = sampling
+    self.seed = seed
     self.cure = cure if method == "cure" else None
     self.graphdef, self.params = nnx.split((self.target, self.drafter))
+    self.mesh = mesh
+    if mesh is not None:
+      sharding.check_models(mesh, self.target, self.drafter)
+      self.params = sharding.shard_state(self.params, mesh)
     self.compile_s: dict[tuple, float] = {}
 
   def spec(self, max_len: int) -> Spec:
@@ -75,7 +91,7 @@ class Generator:
                 mask_token_id=self.drafter.cfg.mask_token_id if self.method in ("chain", "cure")
                 else 0,
                 feature_layers=self.drafter.cfg.feature_layers if self.method in ("chain", "cure")
-                else (), cure=self.cure)
+                else (), cure=self.cure, sampling=self.sampling)
 
   def cache_len(self, prompt_len: int) -> int:
     """The static cache length for a prompt bucket; checks the user's max_len if given."""
@@ -94,23 +110,34 @@ class Generator:
   def _executables(self, batch: int, bucket: int, max_len: int):
     """Compiled prefill and decode, shared by every Generator with the same model structure."""
     spec = self.spec(max_len)
-    key = (self.graphdef, spec, batch, bucket)
+    key = (self.graphdef, spec, batch, bucket, self.mesh)
+    if key not in _EXECUTABLES and self.mesh is not None:
+      t0 = time.perf_counter()
+      _EXECUTABLES[key] = sharding.compile_decoding(self.graphdef, self.params, spec, batch,
+                                                    bucket, self.mesh)
+      self.compile_s[(batch, bucket, max_len)] = time.perf_counter() - t0
     if key not in _EXECUTABLES:
       t0 = time.perf_counter()
       prompt = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
       plen = jax.ShapeDtypeStruct((batch,), jnp.int32)
-      pre = decoding.prefill.lower(self.graphdef, self.params, prompt, plen, spec=spec).compile()
-      state = jax.eval_shape(lambda p, l: decoding.prefill(self.graphdef, self.params, p, l,
-                                                           spec=spec), prompt, plen)
+      rng = jax.eval_shape(jax.random.key, 0)
+      pre = decoding.prefill.lower(self.graphdef, self.params, prompt, plen, rng,
+                                   spec=spec).compile()
+      state = jax.eval_shape(lambda p, l, k: decoding.prefill(self.graphdef, self.params, p, l, k,
+                                                              spec=spec), prompt, plen, rng)
       dec = decoding.decode.lower(self.graphdef, self.params, state, spec=spec).compile()
       _EXECUTABLES[key] = (pre, dec)
       self.compile_s[(batch, bucket, max_len)] = time.perf_counter() - t0
     return _EXECUTABLES[key]
 
-  def generate(self, prompts: list[list[int]]) -> list[Result]:
-    """Decodes one batch of prompts (lists of ids); returns one Result per prompt."""
+  def generate(self, prompts: list[list[int]], seed: int | None = None) -> list[Result]:
+    """Decodes one batch of prompts (lists of ids); returns one Result per prompt. Sampling is
+    reproducible from `seed` (default: the Generator's)."""
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("every prompt needs at least one token")
+    count = len(prompts)
+    if self.mesh is not None:  # pad with copies of the last prompt to a multiple of mesh.data
+      prompts = list(prompts) + [prompts[-1]] * (-count % sharding.batch_multiple(self.mesh))
     longest = max(len(p) for p in prompts)
     max_len = self.cache_len(longest)
     bucket = _round_up(longest, PROMPT_BUCKET)
@@ -119,13 +146,17 @@ class Generator:
     for i, p in enumerate(prompts):
       padded[i, :len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    state = pre(self.params, jnp.asarray(padded), jnp.asarray(lengths))
+    put = jnp.asarray if self.mesh is None else lambda x: sharding.put_batch(x, self.mesh)
+    key = jax.random.key(self.seed if seed is None else seed)
+    if self.mesh is not None:
+      key = sharding.put_key(key, self.mesh)
+    state = pre(self.params, put(padded), put(lengths), key)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = dec(self.params, state)
-    state = jax.device_get(state)
+    state = sharding.to_host(state.replace(cache=None, dcache=None))  # caches stay on device
     decode_s = time.perf_counter() - t0
-    return [self._unpack(state, i, decode_s) for i in range(len(prompts))]
+    return [self._unpack(state, i, decode_s) for i in range(count)]
 
   def _unpack(self, state, i: int, decode_s: float) -> Result:
     n = int(state.produced[i])
@@ -139,7 +170,10 @@ class Generator:
                                                         st.ufp_margins[i, t]) if x >= 0],
                   branches=[int(b) for x, b in zip(st.ufp_positions[i, t], st.branches[i, t])
                             if x >= 0],
-                  repair_gain=int(st.repair_gain[i, t])) for t in range(iters)]
+                  branch0_accepted=int(st.branch0_accepted[i, t]),
+                  repair_gain=int(st.repair_gain[i, t]),
+                  block_margins=[round(float(m), 4) for m in st.block_margins[i, t]])
+             for t in range(iters)]
     return Result(output_ids=[int(x) for x in state.tokens[i, :n]], iterations=iters,
                   accept_lengths=[s["accept_lengths"] for s in stats], stats=stats,
                   tpot_ms=1000.0 * decode_s / max(n - 1, 1), decode_s=decode_s)

@@ -27,11 +27,58 @@ def dtype_of(config):
   return DTYPES[config.dtype]
 
 
+def _embedded() -> dict:
+  from cure_jax import default_model
+  return {"embedded:smollm2": default_model.smollm2_dir,
+          "embedded:smollm2_dflash": lambda: default_model.SMOLLM2_DFLASH_DIR,
+          "embedded:smollm2_ar_drafter": lambda: default_model.SMOLLM2_AR_DRAFTER_DIR}
+
+
+def resolve_paths(config) -> None:
+  """Replaces `embedded:NAME` paths by the packaged model folders (converting on first use)."""
+  embedded = _embedded()
+  for section in (config.target, config.drafter):
+    if section.path.startswith("embedded:"):
+      if section.path not in embedded:
+        raise ValueError(f"unknown embedded model {section.path!r}; known: {sorted(embedded)}")
+      section.path = embedded[section.path]()
+
+
+def init_distributed(config) -> None:
+  """jax.distributed.initialize() when config.mesh.distributed (multi-host runs, e.g. a TPU pod
+  slice); must run before anything touches a device."""
+  if (config.get("mesh") or {}).get("distributed", False):
+    import jax
+    jax.distributed.initialize()
+
+
+def mesh_of(config):
+  """The device mesh of config.mesh, or None for 1 x 1 (one device, nothing sharded)."""
+  from cure_jax import sharding
+  mesh = config.get("mesh") or {}
+  data, model = int(mesh.get("data", 1)), int(mesh.get("model", 1))
+  return None if data == model == 1 else sharding.make_mesh(data, model)
+
+
+def _placement(config, path: str, model_config):
+  """None without a mesh; else checks that the model at `path` splits over it (before any
+  weight is read) and returns the placement that loads each tensor straight onto its shards."""
+  mesh = mesh_of(config)
+  if mesh is None:
+    return None
+  from convert.checkpoint import read_hf_config
+  from cure_jax import sharding
+  sharding.check_config(model_config.from_hf(read_hf_config(path)), mesh, f"model at {path}")
+  return sharding.placement(mesh)
+
+
 def load_target(config):
   from convert.qwen3 import load_target
+  from cure_jax.models.qwen3 import ModelConfig
   if not config.target.path:
     raise ValueError("set --config.target.path to a Qwen3/Llama HF directory or converted checkpoint")
-  return load_target(config.target.path, dtype_of(config))
+  return load_target(config.target.path, dtype_of(config),
+                     placement=_placement(config, config.target.path, ModelConfig))
 
 
 def load_drafter(config, target):
@@ -42,9 +89,13 @@ def load_drafter(config, target):
     raise ValueError(f"method={config.method!r} needs --config.drafter.path")
   if config.method == "ar_draft":
     from convert.qwen3 import load_target
-    return load_target(config.drafter.path, dtype_of(config))
+    from cure_jax.models.qwen3 import ModelConfig
+    return load_target(config.drafter.path, dtype_of(config),
+                       placement=_placement(config, config.drafter.path, ModelConfig))
   from convert.dflash import load_drafter
-  return load_drafter(config.drafter.path, dtype_of(config), target_cfg=target.cfg)
+  from cure_jax.models.dflash import DFlashConfig
+  return load_drafter(config.drafter.path, dtype_of(config), target_cfg=target.cfg,
+                      placement=_placement(config, config.drafter.path, DFlashConfig))
 
 
 def load_tokenizer(path: str):
@@ -86,7 +137,7 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
   return Generator(target, drafter, method=method, max_new_tokens=int(config.max_new_tokens),
                    stop_ids=() if config.ignore_eos else stops, block_size=block,
                    cure=repair_config(config, block) if method == "cure" else None,
-                   max_len=int(config.max_len) or None)
+                   max_len=int(config.max_len) or None, mesh=mesh_of(config))
 
 
 def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,

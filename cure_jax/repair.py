@@ -67,6 +67,12 @@ class Gate:
   branches: jax.Array   # [B, U] alternatives granted (0 where none)
 
 
+def margins(logits):
+  """Top-1 minus top-2 of raw draft logits [..., V] -> [...]."""
+  top = jax.lax.top_k(logits, 2)[0]
+  return top[..., 0] - top[..., 1]
+
+
 def expected_gain(top_logits, logsumexp, budget):
   """Expected extra accepted tokens from repairing each position, by the drafter's own beliefs.
 
@@ -87,10 +93,12 @@ def expected_gain(top_logits, logsumexp, budget):
   return prefix * alt_mass * (1.0 + jnp.stack(runs[::-1], axis=1))
 
 
-def select(logits, draft_len, cfg: RepairConfig):
-  """Chooses UFPs from draft logits [B, K-1, V]; draft_len [B] usable positions.
+def select(logits, draft, draft_len, cfg: RepairConfig):
+  """Chooses UFPs from draft logits [B, K-1, V]; draft [B, K-1] the drafted tokens; draft_len
+  [B] usable positions.
 
-  Returns the Gate and the alternatives [B, K-1, b_max] (draft ranks 2..b_max+1).
+  Returns the Gate and the alternatives [B, K-1, b_max]: the best-ranked tokens other than the
+  drafted one (ranks 2..b_max+1 under greedy drafting).
   """
   top, idx = jax.lax.top_k(logits, cfg.b_max + 1)                          # [B, K-1, b_max+1]
   margins = top[..., 0] - top[..., 1]
@@ -119,7 +127,8 @@ def select(logits, draft_len, cfg: RepairConfig):
       margins=jnp.where(chosen_ok, jnp.take_along_axis(margins, chosen, axis=1), 0.0),
       branches=jnp.where(chosen_ok, jnp.take_along_axis(budget, chosen, axis=1), 0),
   )
-  return gate, idx[..., 1:]
+  others = jnp.argsort(idx == draft[..., None], axis=-1, stable=True)      # drafted token last
+  return gate, jnp.take_along_axis(idx, others, axis=-1)[..., :cfg.b_max]
 
 
 def repair_paths(gate: Gate, alternatives, num_paths: int):

@@ -25,6 +25,8 @@ class Tree:
   depth: jax.Array      # [B, V] int32, 0 for the root
   valid: jax.Array      # [B, V] bool
   branch: jax.Array     # [B, V] int32: 0 = branch 0 (and root), r + 1 = repair path r, PAD = padding
+  source: jax.Array     # [B, V] int32: raw node index (root 0, branch 0 1..K-1, path r depth d
+                        # at K + r * (K-1) + d - 1), to look up what each node was drawn from
   ancestors: jax.Array  # [B, V, V] bool: row i = ancestors of i including i; padding sees itself
 
   @property
@@ -119,4 +121,4 @@ def build(anchor, draft, depth_limit, *, v_max: int, keep_branch0: bool = True,
   depth = jnp.where(valid, _gather(depth, order), 0)
   branch = jnp.where(valid, _gather(branch, order), PAD)
   return Tree(tokens=tokens, parent=parent, depth=depth, valid=valid, branch=branch,
-              ancestors=ancestor_mask(parent, valid, km1))
+              source=order.astype(jnp.int32), ancestors=ancestor_mask(parent, valid, km1))

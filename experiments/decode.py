@@ -5,6 +5,7 @@
     --config.output=OUT.json
 """
 
+import jax
 from absl import app
 from ml_collections import config_flags
 
@@ -17,6 +18,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
 def main(argv):
   del argv
   config = _CONFIG.value
+  pipeline.init_distributed(config)
+  pipeline.resolve_paths(config)
   target = pipeline.load_target(config)
   drafter = pipeline.load_drafter(config, target)
   tokenizer = pipeline.load_tokenizer(config.target.path)
@@ -35,6 +38,8 @@ def main(argv):
                                     ids, config.batch_size)
     summary["equal_to_ar"] = sum(r.output_ids == a.output_ids for r, a in zip(results, reference))
     summary["ar_tpot_ms"] = pipeline.summary(reference)["tpot_ms"]
+  if jax.process_index() != 0:  # on a multi-host pod only the first host reports
+    return
   if config.output:
     pipeline.write_json(config.output, dict(config=config.to_dict(), summary=summary,
                                             results=pipeline.result_rows(results, tokenizer)))

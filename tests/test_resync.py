@@ -33,8 +33,9 @@ def _one_iteration(graphdef, params, state, spec):
 def _next_draft(graphdef, params, state, spec):
   target, drafter = nnx.merge(graphdef, params)
   limit = drafting.depth_limit(spec, state.cache.lengths, state.produced)
-  return drafting._dflash_block(target, drafter, state.dcache, spec, state.anchor,
-                                state.cache.lengths, limit)
+  logits = drafting._dflash_logits(target, drafter, state.dcache, spec, state.anchor,
+                                   state.cache.lengths, limit)
+  return jnp.argmax(logits, axis=-1), logits
 
 
 def _first_iteration(graphdef, params, prompt, spec):

@@ -43,7 +43,7 @@ def _tree(k, vocab, cfg, seed):
   logits, anchor, limit, lengths, redraft = _random_block(k, vocab, seed)
   limit = jnp.minimum(limit, cfg.max_depth)
   draft = jnp.argmax(logits, -1).astype(jnp.int32)
-  gate, alts = repair.select(logits, limit, cfg)
+  gate, alts = repair.select(logits, draft, limit, cfg)
   depth, alt, valid = repair.repair_paths(gate, alts, cfg.num_paths)
   d = jnp.arange(1, k)[None, None]
   j = depth[..., None]

@@ -1,0 +1,227 @@
+"""Device meshes and partition rules: tensor parallel over heads and MLP, vocab-parallel head.
+
+The mesh has two axes. `model` splits every big matrix Megatron-style: q/k/v and gate/up kernels
+on their output (head / intermediate) axis, o_proj and down_proj on their input axis, the
+embedding [V, H] and lm_head [H, V] on the vocabulary; norms and the DFlash `fc` are replicated.
+`data` splits the batch: KV caches [L, B, S, KVH, D] are sharded (None, data, None, model, None)
+and every per-sequence array of the decoding state on its leading batch axis. Parameters are
+replicated over `data`.
+
+Nothing in the models or the decoding loop names a device: the jitted prefill / decode take
+sharded parameters and are compiled with the state's shardings as outputs, and XLA's sharding
+propagation inserts the collectives (an all-reduce after o_proj and after down_proj, a
+cross-shard argmax / softmax over the vocabulary-parallel logits, small gathers of the new
+tokens' keys and values for the batch-indexed cache writes). No collective has to be written by
+hand, so there is no shard_map, and no pmap.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+
+# (pattern searched in the '/'-joined state path, spec, config field that must divide by the
+# model axis). First match wins; the paths are those of nnx.split(module) for Qwen3 / Llama
+# (target or ar_draft drafter) and DFlash, with or without a leading tuple index.
+RULES: tuple[tuple[str, tuple, str | None], ...] = (
+    (r"(^|/)embed_tokens/embedding$", (MODEL, None), "vocab_size"),
+    (r"(^|/)lm_head/kernel$", (None, MODEL), "vocab_size"),
+    (r"(^|/)self_attn/q_proj/kernel$", (None, MODEL), "num_attention_heads"),
+    (r"(^|/)self_attn/(k_proj|v_proj)/kernel$", (None, MODEL), "num_key_value_heads"),
+    (r"(^|/)self_attn/o_proj/kernel$", (MODEL, None), "num_attention_heads"),
+    (r"(^|/)mlp/(gate_proj|up_proj)/kernel$", (None, MODEL), "intermediate_size"),
+    (r"(^|/)mlp/down_proj/kernel$", (MODEL, None), "intermediate_size"),
+    (r"(^|/)fc/kernel$", (None, None), None),        # DFlash feature projection: replicated
+    (r"(^|/)[a-z_]*norm/weight$", (None,), None),   # every RMSNorm (incl. q_norm, k_norm)
+)
+CACHE_SPEC = P(None, DATA, None, MODEL, None)      # KV caches [L, B, S, KVH, D]
+
+
+def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, model) mesh over all devices (every process's, on a multi-host pod) or `devices`."""
+  devices = list(jax.devices() if devices is None else devices)
+  if data < 1 or model < 1:
+    raise ValueError(f"mesh.data={data} and mesh.model={model} must both be >= 1")
+  n = len(devices)
+  if data * model != n:
+    fix = (f"--config.mesh.data={n // model} --config.mesh.model={model}" if n % model == 0
+           else f"--config.mesh.data=1 --config.mesh.model={n}")
+    raise ValueError(f"mesh.data * mesh.model = {data} * {model} = {data * model}, but {n} "
+                     f"{devices[0].platform} device(s) are available; the mesh must use all of "
+                     f"them (e.g. {fix})")
+  return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=devices)
+
+
+def _path_str(path) -> str:
+  return "/".join(map(str, path))
+
+
+def spec_for(path, shape: Sequence[int], mesh: Mesh) -> P:
+  """The PartitionSpec of one parameter; checks that its sharded axes divide evenly."""
+  name = _path_str(path)
+  for pattern, spec, field in RULES:
+    if re.search(pattern, name):
+      break
+  else:
+    raise ValueError(f"no partition rule for parameter {name} {tuple(shape)}; add one to RULES "
+                     "in cure_jax/sharding.py")
+  if len(spec) != len(shape):
+    raise ValueError(f"rule {pattern!r} expects a rank-{len(spec)} tensor, {name} has shape "
+                     f"{tuple(shape)}")
+  for axis, size in zip(spec, shape):
+    if axis is not None and size % mesh.shape[axis]:
+      raise ValueError(
+          f"cannot split {name} {tuple(shape)} over mesh.{axis}={mesh.shape[axis]}: {size} is not "
+          f"divisible (it scales with the model's {field}); use a mesh.{axis} that divides "
+          f"{field} and put the other devices on mesh.data")
+  return P(*spec)
+
+
+def check_config(cfg, mesh: Mesh, name: str = "model") -> None:
+  """Fails early, naming the dimension, when a model config cannot be split over mesh.model."""
+  m = mesh.shape[MODEL]
+  dims = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+          "intermediate_size": cfg.intermediate_size}
+  if hasattr(cfg, "vocab_size"):
+    dims["vocab_size"] = cfg.vocab_size
+  bad = {k: v for k, v in dims.items() if v % m}
+  if bad:
+    fits = max(d for d in range(1, m + 1) if all(v % d == 0 for v in dims.values()))
+    what = ", ".join(f"{k}={v}" for k, v in bad.items())
+    raise ValueError(
+        f"the {name} cannot be split over mesh.model={m}: {what} not divisible by {m} (tensor "
+        f"parallelism splits attention heads, KV heads, the MLP and the vocabulary evenly). Use "
+        f"a mesh.model that divides {', '.join(f'{k}={v}' for k, v in dims.items())} (e.g. "
+        f"--config.mesh.model={fits}) and put the remaining devices on mesh.data.")
+
+
+def check_models(mesh: Mesh, *models) -> None:
+  """check_config for the target and drafter (None entries are skipped)."""
+  for name, model in zip(("target", "drafter"), models):
+    if model is not None:
+      check_config(model.cfg, mesh, name)
+
+
+def _put(array, sharding: NamedSharding) -> jax.Array:
+  """Places a host array straight onto its shards (each process supplies its own devices')."""
+  if isinstance(array, jax.Array):
+    return jax.device_put(array, sharding)
+  array = np.asarray(array)
+  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+class Placement:
+  """`stream_params(..., placement=placement(mesh))`: each tensor goes straight to its shards.
+
+  `annotate(abstract_state)` gives an abstract state whose leaves carry their shardings, for
+  orbax restores (`convert.checkpoint.load_checkpoint`).
+  """
+
+  def __init__(self, mesh: Mesh):
+    self.mesh = mesh
+
+  def sharding(self, path, shape) -> NamedSharding:
+    return NamedSharding(self.mesh, spec_for(path, shape, self.mesh))
+
+  def __call__(self, path, array) -> jax.Array:
+    return _put(array, self.sharding(path, array.shape))
+
+  def annotate(self, abstract_state: nnx.State) -> nnx.State:
+    leaves = []
+    for path, var in nnx.to_flat_state(abstract_state):
+      x = var.get_value()
+      leaves.append((path, var.replace(jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=self.sharding(path, x.shape)))))
+    return nnx.from_flat_state(leaves)
+
+
+def placement(mesh: Mesh) -> Placement:
+  return Placement(mesh)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """NamedShardings of a parameter state (same structure) under RULES."""
+  place = Placement(mesh)
+  return nnx.from_flat_state([(p, v.replace(place.sharding(p, v.get_value().shape)))
+                              for p, v in nnx.to_flat_state(state)])
+
+
+def shard_state(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """Moves every parameter of `state` (e.g. nnx.split((target, drafter))[1]) onto its shards."""
+  place = Placement(mesh)
+  return nnx.from_flat_state([(p, v.replace(place(p, v.get_value())))
+                              for p, v in nnx.to_flat_state(state)])
+
+
+# --- the decoding state -------------------------------------------------------------------------
+
+def decoding_state_shardings(state, mesh: Mesh):
+  """Shardings for a decoding.State (or its abstract shape): KV caches CACHE_SPEC, scalars
+  replicated, every other array split over `data` on its leading (batch) axis."""
+  def spec(path, x):
+    if x.ndim == 0:
+      return NamedSharding(mesh, P())
+    if x.ndim == 5 and getattr(path[-1], "name", None) in ("k", "v"):
+      return NamedSharding(mesh, CACHE_SPEC)
+    return NamedSharding(mesh, P(DATA, *(None,) * (x.ndim - 1)))
+  return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def batch_multiple(mesh: Mesh) -> int:
+  """Batches are padded to a multiple of this (the data axis size)."""
+  return mesh.shape[DATA]
+
+
+def put_batch(array: np.ndarray, mesh: Mesh) -> jax.Array:
+  """A host batch [B, ...] onto the mesh, split over `data`."""
+  return _put(array, NamedSharding(mesh, P(DATA, *(None,) * (array.ndim - 1))))
+
+
+def put_key(key: jax.Array, mesh: Mesh) -> jax.Array:
+  """A PRNG key as replicated raw key data, the form compile_decoding's prefill takes."""
+  return _put(np.asarray(jax.random.key_data(key)), NamedSharding(mesh, P()))
+
+
+def to_host(tree):
+  """device_get that also works for arrays spread over several processes (multi-host)."""
+  def get(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.device_get(x)
+  return jax.tree.map(get, tree)
+
+
+def compile_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
+  """Compiled (prefill, decode) for sharded params: the same jitted functions as the unsharded
+  path, wrapped so that the state's shardings are fixed at their boundaries (decode donates it)."""
+  from cure_jax import decoding  # decoding does not import this module; keep it that way
+
+  rows = NamedSharding(mesh, P(DATA, None))
+  prompt = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=rows)
+  plen = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P(DATA)))
+  key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  key_data = jax.ShapeDtypeStruct(key_data.shape, key_data.dtype, sharding=NamedSharding(mesh, P()))
+
+  def prefill(p, x, n, k):  # k: raw key data (put_key), so every process can supply it
+    return decoding.prefill(graphdef, p, x, n, jax.random.wrap_key_data(k), spec=spec)
+
+  def decode(p, st):
+    return decoding.decode(graphdef, p, st, spec=spec)
+
+  shapes = jax.eval_shape(prefill, params, prompt, plen, key_data)
+  out = decoding_state_shardings(shapes, mesh)
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                       out)
+  pre = jax.jit(prefill, out_shardings=out).lower(params, prompt, plen, key_data).compile()
+  dec = jax.jit(decode, out_shardings=out, donate_argnums=1).lower(params, state).compile()
+  return pre, dec

@@ -1,0 +1,189 @@
+"""Tensor-parallel / data-parallel decoding on a device mesh (cure_jax.sharding).
+
+The checks need 8 devices. In a process with fewer (a plain `python -m pytest tests`), a single
+test re-runs this file in a child process whose XLA_FLAGS ask for 8 fake CPU devices (the flag
+must be set before jax starts, so it cannot be set here); the other tests run only in the child,
+or directly when jax already sees 8 devices.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from cure_jax import repair, sharding
+from cure_jax.generation import Generator
+from tests import random_models
+
+DEVICES = 8
+REPO = Path(__file__).resolve().parents[1]
+on_mesh = pytest.mark.skipif(jax.device_count() < DEVICES,
+                             reason=f"needs {DEVICES} devices: runs in the child process")
+
+ARCH = random_models.Arch(layers=2, draft_layers=1, target_layer_ids=(0, 1))  # model axis <= 2
+WIDE = random_models.Arch(heads=4, kv_heads=4)                                # model axis <= 4
+MAX_NEW = 16
+
+
+@pytest.mark.skipif(jax.device_count() >= DEVICES, reason="this process already has the devices")
+def test_on_fake_cpu_devices():
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
+  env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=",
+                          "-p", "no:cacheprovider", "-k", "not test_on_fake_cpu_devices"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
+  assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+
+
+def _mesh(data, model):
+  return sharding.make_mesh(data, model, devices=jax.devices()[:data * model])
+
+
+def _generator(method, target, drafter, mesh=None):
+  cure = repair.RepairConfig(tau_margin=1e9, v_max=12, max_depth=ARCH.block_size - 1)
+  return Generator(target, drafter if method != "ar" else None, method=method,
+                   max_new_tokens=MAX_NEW, cure=cure if method == "cure" else None, mesh=mesh)
+
+
+@on_mesh
+@pytest.mark.parametrize("method", ["ar", "chain", "cure"])
+def test_sharded_decoding_equals_unsharded(method):
+  target, drafter = random_models.pair(ARCH, 5)
+  batch = random_models.prompts(5, ARCH.vocab, 3)   # 3 prompts: padded to 4 for data=2
+  ref = _generator(method, target, drafter).generate(batch)
+  assert method == "ar" or any(n >= 2 for r in ref for n in r.accept_lengths)  # drafts accepted
+  branch = lambda r: [s["winning_branch"] for s in r.stats]
+  assert method != "cure" or any(any(branch(r)) for r in ref)                  # repairs won
+  for data, model in ((1, 2), (2, 2)):
+    gen = _generator(method, target, drafter, _mesh(data, model))
+    got = gen.generate(batch)
+    assert len(got) == len(batch)
+    for g, r in zip(got, ref):
+      assert g.output_ids == r.output_ids, (method, data, model)
+      assert g.accept_lengths == r.accept_lengths, (method, data, model)
+      assert branch(g) == branch(r), (method, data, model)
+    # The compiled state keeps the KV caches split: batch over data, KV heads over model.
+    padded = len(batch) + (-len(batch) % data)
+    pre, dec = gen._executables(padded, 32, gen.cache_len(max(map(len, batch))))  # cached ones
+    for exe in (pre, dec):
+      assert exe.output_shardings.cache.k.spec == sharding.CACHE_SPEC
+      assert exe.output_shardings.tokens.spec == jax.sharding.PartitionSpec("data", None)
+
+
+def _device0_fraction(x: jax.Array) -> float:
+  dev = jax.devices()[0]
+  return sum(s.data.nbytes for s in x.addressable_shards if s.device == dev) / x.nbytes
+
+
+@on_mesh
+def test_parameters_take_one_mth_per_device():
+  target, drafter = random_models.pair(WIDE, 0)
+  mesh = sharding.make_mesh(2, 4)
+  _, state = nnx.split((target, drafter))
+  sharded = sharding.shard_state(state, mesh)
+  big = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+         "embed_tokens", "lm_head")
+  seen = set()
+  for (path, ref), (_, var) in zip(nnx.to_flat_state(state), nnx.to_flat_state(sharded)):
+    x = var.get_value()
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(ref.get_value()))
+    kind = next((name for name in big if name in path), None)
+    assert _device0_fraction(x) == (0.25 if kind else 1.0), path
+    seen.add(kind)
+  assert seen == set(big) | {None}
+  total = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(sharded))
+  on_dev0 = sum(_device0_fraction(v.get_value()) * v.get_value().nbytes
+                for _, v in nnx.to_flat_state(sharded))
+  assert on_dev0 < 0.3 * total   # norms and the replicated DFlash fc are the rest
+
+
+def _write_models(root: Path, target, drafter):
+  """HF directories for a random target and DFlash drafter (the layout the converters read)."""
+  from convert import checkpoint, qwen3
+  t, d = target.cfg, drafter.cfg
+  common = dict(hidden_size=t.hidden_size, num_attention_heads=t.num_heads,
+                num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_eps,
+                rope_theta=t.rope.theta)
+  target_config = dict(common, model_type="qwen3", vocab_size=t.vocab_size,
+                       intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
+                       tie_word_embeddings=t.tie_embeddings)
+  drafter_config = dict(common, model_type="qwen3", intermediate_size=d.intermediate_size,
+                        num_hidden_layers=d.num_layers, block_size=d.block_size,
+                        num_target_layers=t.num_layers,
+                        dflash_config=dict(mask_token_id=d.mask_token_id,
+                                           target_layer_ids=list(d.target_layer_ids)))
+  checkpoint.export_hf(nnx.state(target), root / "target", qwen3.hf_name, target_config)
+  checkpoint.export_hf(nnx.state(drafter), root / "drafter", lambda p: checkpoint.hf_name(p),
+                       drafter_config)
+  return root / "target", root / "drafter"
+
+
+@on_mesh
+def test_pipeline_loads_straight_onto_the_mesh(tmp_path):
+  from configs import common
+  from convert.qwen3 import convert_hf, load_target
+  from cure_jax import pipeline
+  target, drafter = random_models.pair(ARCH, 5)   # test_sharded_decoding's ar compile is reused
+  target_dir, drafter_dir = _write_models(tmp_path, target, drafter)
+  config = common.base_config()
+  config.method = "ar"
+  config.max_new_tokens = MAX_NEW
+  config.target.path, config.drafter.path = str(target_dir), str(drafter_dir)
+  config.mesh.data, config.mesh.model = 4, 2
+  mesh = pipeline.mesh_of(config)
+  loaded = pipeline.load_target(config)
+  config.method = "chain"
+  loaded_drafter = pipeline.load_drafter(config, loaded)
+  ckpt = convert_hf(target_dir, tmp_path / "orbax", "float32", progress=False)
+  restored = load_target(ckpt, "float32", progress=False, placement=sharding.placement(mesh))
+  for source, module in ((target, loaded), (drafter, loaded_drafter), (target, restored)):
+    for (path, ref), (_, var) in zip(nnx.to_flat_state(nnx.state(source)),
+                                     nnx.to_flat_state(nnx.state(module))):
+      x = var.get_value()
+      assert x.sharding == sharding.placement(mesh).sharding(path, x.shape), path
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(ref.get_value()))
+  config.method = "ar"
+  gen = pipeline.make_generator(config, loaded, None)
+  assert gen.mesh == mesh
+  batch = random_models.prompts(1, ARCH.vocab, 3)
+  ref = Generator(target, method="ar", max_new_tokens=MAX_NEW).generate(batch)
+  assert [r.output_ids for r in gen.generate(batch)] == [r.output_ids for r in ref]
+
+
+@on_mesh
+def test_settings_that_cannot_be_split_are_named(tmp_path):
+  with pytest.raises(ValueError, match=r"3 \* 2 = 6, but 8 cpu device"):
+    sharding.make_mesh(3, 2)
+  target, drafter = random_models.pair(ARCH, 0)   # 4 heads, 2 KV heads, vocab 8
+  with pytest.raises(ValueError, match=r"num_key_value_heads=2 not divisible by 4.*"
+                                       r"--config.mesh.model=2"):
+    Generator(target, method="ar", max_new_tokens=4, mesh=_mesh(1, 4))
+  odd_vocab, _ = random_models.pair(random_models.Arch(vocab=6, heads=4, kv_heads=4), 0)
+  with pytest.raises(ValueError, match=r"target cannot be split over mesh.model=4: vocab_size=6"):
+    Generator(odd_vocab, method="ar", max_new_tokens=4, mesh=_mesh(2, 4))
+  with pytest.raises(ValueError, match=r"drafter cannot be split over mesh.model=4: "
+                                       r"num_key_value_heads=2"):
+    sharding.check_models(_mesh(2, 4), random_models.pair(WIDE, 0)[0], drafter)
+  # Per tensor, e.g. while streaming a checkpoint: the tensor and the config field are named.
+  with pytest.raises(ValueError, match=r"layers/0/mlp/up_proj/kernel \(32, 6\).*intermediate_size"):
+    sharding.placement(_mesh(2, 4))(("layers", 0, "mlp", "up_proj", "kernel"),
+                                    np.zeros((32, 6), np.float32))
+  with pytest.raises(ValueError, match="no partition rule for parameter rotary/inv_freq"):
+    sharding.spec_for(("rotary", "inv_freq"), (4,), _mesh(2, 4))
+  # Through the pipeline, from config.json, before any weight is read.
+  from configs import common
+  from cure_jax import pipeline
+  target_dir, _ = _write_models(tmp_path, target, drafter)
+  config = common.base_config()
+  config.target.path = str(target_dir)
+  config.mesh.data, config.mesh.model = 2, 4
+  with pytest.raises(ValueError, match=f"model at {target_dir} cannot be split.*"
+                                       "num_key_value_heads=2"):
+    pipeline.load_target(config)
