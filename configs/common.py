@@ -25,6 +25,10 @@ def base_config() -> ml_collections.ConfigDict:
       model=1,                      # tensor parallel: heads, MLP and vocabulary split this ways
       distributed=False,            # multi-host (TPU pod): jax.distributed.initialize() first
   ))                                # data * model must equal the device count; 1 x 1: no sharding
+  config.temperature = 0.0         # 0: greedy (float32 greedy is token-exact vs target-only)
+  config.top_k = 0                  # 0: off
+  config.top_p = 1.0                # 1: off
+  config.seed = 0                   # sampling is reproducible from this seed
   config.output = ""                # JSON path; empty: print text and a summary line
   config.check_ar = False           # also decode target-only and report token equality
   config.cure = ml_collections.ConfigDict(dict(

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from cure_jax import decoding, repair, sharding
-from cure_jax.drafting import Spec
+from cure_jax.drafting import METHODS, Spec
 from cure_jax.sampling import Sampling
 from cure_jax.models.dflash import DFlash
 
@@ -44,6 +44,8 @@ class Generator:
                stop_ids=(), block_size: int | None = None, cure: repair.RepairConfig | None = None,
                max_len: int | None = None, mesh=None, sampling: Sampling = Sampling(),
                seed: int = 0):
+    if method not in METHODS:
+      raise ValueError(f"method={method!r}; choose one of {METHODS}")
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if method != "ar" and drafter is None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from cure_jax import prompts as prompts_lib, repair
 from cure_jax.generation import Generator, Result
+from cure_jax.sampling import Sampling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -137,14 +138,16 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
   return Generator(target, drafter, method=method, max_new_tokens=int(config.max_new_tokens),
                    stop_ids=() if config.ignore_eos else stops, block_size=block,
                    cure=repair_config(config, block) if method == "cure" else None,
-                   max_len=int(config.max_len) or None, mesh=mesh_of(config))
+                   max_len=int(config.max_len) or None, mesh=mesh_of(config),
+                   sampling=Sampling(float(config.temperature), int(config.top_k),
+                                     float(config.top_p)), seed=int(config.seed))
 
 
 def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,
                progress=None) -> list[Result]:
   results = []
-  for i in range(0, len(ids), batch_size):
-    results.extend(generator.generate(ids[i:i + batch_size]))
+  for i in range(0, len(ids), batch_size):  # batch i samples with seed + i: reproducible
+    results.extend(generator.generate(ids[i:i + batch_size], seed=generator.seed + i))
     if progress is not None:
       progress(len(results))
   return results

@@ -38,6 +38,7 @@ def _variants(arch, target, drafter, ar_drafter, tight):
       "cure_tight_multi": Generator(target, drafter, method="cure", max_len=tight,
                                     cure=_cure(arch, v_max=12, max_repair_positions=2,
                                                select="earliest"), **new),
+      "ar_draft_gamma2": Generator(target, ar_drafter, method="ar_draft", block_size=3, **new),
       "cure_gain_fixed_no_resync": Generator(
           target, drafter, method="cure",
           cure=_cure(arch, dynamic=False, select="expected_gain", resync=False), **new),
@@ -80,12 +81,14 @@ def test_stop_tokens_end_each_sequence_like_target_greedy():
       assert r.output_ids == a.output_ids
 
 
-def test_batched_equals_one_by_one():
+@pytest.mark.parametrize("method", ["ar", "chain", "cure"])
+def test_batched_equals_one_by_one(method):
+  """Batch 4, prompts of different lengths: each sequence's output equals its batch-1 output."""
   arch = QWEN3
   target, drafter = random_models.pair(arch, 7)
   batch = random_models.prompts(7, arch.vocab, 4, lo=2, hi=30)
-  gen = Generator(target, drafter, method="cure", max_new_tokens=MAX_NEW,
-                  cure=_cure(arch))
+  gen = Generator(target, drafter, method=method, max_new_tokens=MAX_NEW,
+                  cure=_cure(arch) if method == "cure" else None)
   together = gen.generate(batch)
   for prompt, r in zip(batch, together):
     alone = gen.generate([prompt])[0]

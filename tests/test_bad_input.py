@@ -1,0 +1,77 @@
+"""Every input a user can get wrong fails early with a message that says what to fix."""
+
+import json
+
+import pytest
+
+from cure_jax import prompts, repair
+from cure_jax.generation import Generator
+from tests import random_models
+
+ARCH = random_models.Arch()
+
+
+@pytest.fixture(scope="module")
+def pair():
+  return random_models.pair(ARCH, 0)
+
+
+def test_prompt_longer_than_the_cache(pair):
+  target, _ = pair
+  gen = Generator(target, method="ar", max_new_tokens=4, max_len=16)
+  with pytest.raises(ValueError, match="longer than the cache"):
+    gen.generate([list(range(1, 8)) * 3])
+
+
+def test_max_new_tokens_past_the_cache(pair):
+  target, _ = pair
+  gen = Generator(target, method="ar", max_new_tokens=20, max_len=16)
+  with pytest.raises(ValueError, match="runs past the cache.*max_len >= 24"):
+    gen.generate([[1, 2, 3, 4, 5]])
+
+
+def test_empty_prompt_and_zero_tokens(pair):
+  target, _ = pair
+  with pytest.raises(ValueError, match="at least one token"):
+    Generator(target, method="ar", max_new_tokens=4).generate([[]])
+  with pytest.raises(ValueError, match="max_new_tokens=0"):
+    Generator(target, method="ar", max_new_tokens=0)
+
+
+def test_methods_need_the_right_drafter(pair):
+  target, drafter = pair
+  with pytest.raises(ValueError, match="needs a drafter"):
+    Generator(target, method="cure", max_new_tokens=4)
+  with pytest.raises(ValueError, match="DFlash block drafter"):
+    Generator(target, random_models.ar_drafter(ARCH, 0), method="chain", max_new_tokens=4)
+  with pytest.raises(ValueError, match="method='beam'"):
+    Generator(target, drafter, method="beam", max_new_tokens=4)
+
+
+def test_invalid_cure_settings(pair):
+  target, drafter = pair
+  with pytest.raises(ValueError, match="b_max=9 alternatives"):
+    Generator(target, drafter, method="cure", max_new_tokens=4,
+              cure=repair.RepairConfig(b_max=9, max_depth=5))
+  with pytest.raises(ValueError, match="v_max=3 is too small for branch 0"):
+    Generator(target, drafter, method="cure", max_new_tokens=4,
+              cure=repair.RepairConfig(v_max=3, max_depth=5))
+
+
+def test_prompt_files(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    prompts.read_jsonl(str(tmp_path / "missing.jsonl"))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "ok"}\n{not json}\n')
+  with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON"):
+    prompts.read_jsonl(str(bad))
+  bad.write_text(json.dumps({"text": "x"}) + "\n")
+  with pytest.raises(ValueError, match='needs a "prompt"'):
+    prompts.read_jsonl(str(bad))
+  bad.write_text(json.dumps({"prompt_ids": [1, "a"]}) + "\n")
+  with pytest.raises(ValueError, match="non-empty list of ints"):
+    prompts.read_jsonl(str(bad))
+  with pytest.raises(ValueError, match="outside the target vocabulary"):
+    prompts.encode([{"prompt_ids": [1, 99]}], None, True, vocab_size=8)
+  with pytest.raises(ValueError, match="need a tokenizer"):
+    prompts.encode([{"prompt": "hi"}], None, True, vocab_size=8)
