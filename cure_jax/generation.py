@@ -33,6 +33,12 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+def prompt_bucket(length: int) -> int:
+  """Padded prompt length: a power of two (at least PROMPT_BUCKET), so that a benchmark's
+  prompts compile a handful of shapes rather than one per length."""
+  return max(PROMPT_BUCKET, 1 << (length - 1).bit_length())
+
+
 class Generator:
   """Decodes token-id prompts with one method; construct once, call `generate` many times.
 
@@ -98,8 +104,8 @@ class Generator:
   def cache_len(self, prompt_len: int) -> int:
     """The static cache length for a prompt bucket; checks the user's max_len if given."""
     need = prompt_len + self.max_new_tokens - 1
-    if self.max_len is None:
-      return _round_up(need, 64)
+    if self.max_len is None:  # sized for the bucket, so every prompt in it shares one compile
+      return _round_up(prompt_bucket(prompt_len) + self.max_new_tokens - 1, 64)
     if prompt_len > self.max_len:
       raise ValueError(f"a prompt of {prompt_len} tokens is longer than the cache "
                        f"(max_len={self.max_len}): shorten the prompt or raise max_len")
@@ -142,7 +148,7 @@ class Generator:
       prompts = list(prompts) + [prompts[-1]] * (-count % sharding.batch_multiple(self.mesh))
     longest = max(len(p) for p in prompts)
     max_len = self.cache_len(longest)
-    bucket = _round_up(longest, PROMPT_BUCKET)
+    bucket = prompt_bucket(longest)
     pre, dec = self._executables(len(prompts), bucket, max_len)
     padded = np.zeros((len(prompts), bucket), np.int32)
     for i, p in enumerate(prompts):

@@ -1,0 +1,96 @@
+"""The paper's tables on the configured target / drafter pair, one command per table.
+
+  python -m experiments.benchmark --table=1 --num_prompts=20           # methods: TPOT, τ, speedup
+  python -m experiments.benchmark --table=3                             # pass@1 (HumanEval tests)
+  python -m experiments.benchmark --table=4                             # ablations, 64 problems
+  python -m experiments.benchmark --table=5 --scorer_tau=2.0            # offline repair scorer
+  python -m experiments.benchmark --table=diagnostic                    # margin diagnostic
+  python -m experiments.benchmark --table=sweep --num_prompts=16        # grids + cost model
+  python -m experiments.benchmark --table=peers --num_prompts=8         # transformers, dflash
+  python -m experiments.benchmark --table=all --results=results/
+
+Default config: configs/smollm2_135m.py (SmolLM2-135M target, its DFlash drafter, HumanEval).
+Every config field is a flag (--config.max_new_tokens=64, --config.cure.tau_margin=2.0, ...).
+Writes results/<table>.json and .md (and PNGs) atomically and prints the markdown. Table 3
+executes model-written code in a resource-limited subprocess (see tables.run_program); pass
+--noexecute to skip that.
+"""
+
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from cure_jax import pipeline, prompts as prompts_lib
+from experiments import tables
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
+                                          "ml_collections config file")
+_TABLE = flags.DEFINE_enum("table", "1", list(tables.TABLES) + ["all"], "which table to run")
+_RESULTS = flags.DEFINE_string("results", "results", "output folder")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "first N prompts (default: "
+                                    "config.num_prompts, 0 = all)")
+_PROMPTS = flags.DEFINE_string("prompts", None, "JSONL prompt file (default: config.prompts, "
+                               "else HumanEval's 164 problems)")
+_AR_DRAFTER = flags.DEFINE_string("ar_drafter", "embedded:smollm2_ar_drafter",
+                                  "AR drafter (small Qwen3/Llama) for the ar_draft baseline; "
+                                  "'' to skip")
+_SCORER_TAU = flags.DEFINE_float("scorer_tau", None, "table 5: gate threshold of the cure run "
+                                 "(default config.cure.tau_margin)")
+_EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")
+_WARMUP = flags.DEFINE_bool("warmup", True, "decode one prompt per variant before timing")
+_PROGRESS = flags.DEFINE_bool("progress", True, "tqdm progress bars")
+
+
+def _ar_drafter(config, target):
+  """(model, note): the AR drafter if its checkpoint exists, else (None, why)."""
+  path = _AR_DRAFTER.value
+  if not path:
+    return None, "--ar_drafter=''"
+  sub = config.copy_and_resolve_references()
+  with sub.unlocked():
+    sub.method = "ar_draft"
+    sub.drafter.path = path
+  try:
+    pipeline.resolve_paths(sub)
+  except ValueError as e:
+    return None, str(e)
+  if not (Path(sub.drafter.path) / "config.json").is_file():
+    return None, f"no AR drafter checkpoint at {sub.drafter.path}"
+  return pipeline.load_drafter(sub, target), ""
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  with config.unlocked():
+    if _NUM_PROMPTS.value is not None:
+      config.num_prompts = _NUM_PROMPTS.value
+    if _PROMPTS.value is not None:
+      config.prompts = _PROMPTS.value
+  pipeline.resolve_paths(config)
+  target = pipeline.load_target(config)
+  with config.unlocked():
+    config.method = "cure"
+  drafter = pipeline.load_drafter(config, target)
+  ar_drafter, note = _ar_drafter(config, target)
+  tokenizer = pipeline.load_tokenizer(config.target.path)
+  rows = (prompts_lib.read_jsonl(config.prompts) if config.prompts
+          else prompts_lib.humaneval_prompts())
+  if config.num_prompts:
+    rows = rows[:config.num_prompts]
+  ids = prompts_lib.encode(rows, tokenizer, config.chat_template, target.cfg.vocab_size)
+  target_dir = config.target.path if Path(config.target.path, "config.json").is_file() else None
+  drafter_dir = (config.drafter.path if Path(config.drafter.path, "config.json").is_file()
+                 else None)
+  bench = tables.Bench(config=config, target=target, drafter=drafter, rows=rows, ids=ids,
+                       tokenizer=tokenizer, stops=pipeline.stop_ids(config.target.path, tokenizer),
+                       results_dir=_RESULTS.value, ar_drafter=ar_drafter, ar_drafter_note=note,
+                       target_dir=target_dir, drafter_dir=drafter_dir, warmup=_WARMUP.value,
+                       progress=_PROGRESS.value)
+  tables.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value)
+  print(f"results in {Path(_RESULTS.value).resolve()}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,151 @@
+"""The paper's efficiency model: tokens/s ∝ (E[a] + 1) / (C_d + C_v(tree)).
+
+Measured here on the current JAX device:
+  C_v(n)  one jitted target forward over n tree nodes after a committed context (with logits),
+  C_d     one jitted DFlash block pass (A = 1 block, or A = R alternatives re-drafted at once),
+          or one AR-drafter single-token step.
+Projected from them: the speedup over target-only AR of a method that verifies n̄ nodes per
+iteration and emits τ = E[a] + 1 tokens per iteration,
+
+  speedup = τ · C_v(1) / (C_d + C_v(n̄))      (AR emits one token per C_v(1)),
+
+for (a) the measured curve and (b) a GPU-like flat curve C_v(n) = C_v(1) for n <= 64, with the
+drafter priced at its measured cost relative to the target at equal token count. Both are
+projections: measured TPOTs are reported separately.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+NODES = (1, 2, 4, 8, 16, 32, 48, 64)
+
+
+def _time(fn, *args, repeats: int) -> float:
+  """Best-of-`repeats` ms of fn(*args) after one warm-up call (which also compiles); the minimum
+  is the least disturbed by other work on a shared machine."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1000.0 * float(np.min(times))
+
+
+def _context_cache(model, context: int, extra: int):
+  cache = model.init_cache(1, context + extra)
+  return cache.replace(lengths=jnp.full((1,), context, jnp.int32))
+
+
+def verify_cost(target, nodes: Sequence[int] = NODES, context: int = 256,
+                feature_layers: tuple[int, ...] = (), repeats: int = 5) -> dict[int, float]:
+  """ms per target forward over n chain-shaped tree nodes (with logits), for each n."""
+  graphdef, params = nnx.split(target)
+  cache = _context_cache(target, context, max(nodes))
+
+  @jax.jit
+  def forward(params, tokens, positions, mask, cache):
+    model = nnx.merge(graphdef, params)
+    out = model(tokens, positions, cache, mask, feature_layers)
+    return jnp.argmax(model.logits(out.hidden), axis=-1)
+
+  costs = {}
+  for n in nodes:
+    tokens = jnp.zeros((1, n), jnp.int32)
+    positions = context + jnp.arange(n)[None]
+    old = jnp.broadcast_to(cache.visible()[:, None, :], (1, n, cache.max_len))
+    mask = jnp.concatenate([old, jnp.tril(jnp.ones((n, n), bool))[None]], axis=-1)
+    costs[int(n)] = _time(forward, params, tokens, positions, mask, cache, repeats=repeats)
+  return costs
+
+
+def draft_cost(target, drafter, alternatives: Sequence[int] = (1,), context: int = 256,
+               repeats: int = 5) -> dict[int, float]:
+  """ms per DFlash block pass drafting A blocks at once (A = 1: the main draft; A = R: the
+  repair re-draft), including the draft logits through the target's head."""
+  graphdef, params = nnx.split((target, drafter))
+  k = drafter.cfg.block_size
+  cache = _context_cache(drafter, context, k)
+
+  @jax.jit
+  def block(params, blocks, positions, cache):
+    t, d = nnx.merge(graphdef, params)
+    hidden = d(t.embed(blocks), positions, cache, jnp.full((1,), k, jnp.int32))
+    return jnp.argmax(d.draft_logits(hidden[:, :, 1:], t.logits), axis=-1)
+
+  costs = {}
+  for a in alternatives:
+    blocks = jnp.zeros((1, a, k), jnp.int32)
+    positions = context + jnp.arange(k)[None]
+    costs[int(a)] = _time(block, params, blocks, positions, cache, repeats=repeats)
+  return costs
+
+
+def ar_draft_cost(drafter, context: int = 256, repeats: int = 5) -> float:
+  """ms per single-token step of an autoregressive drafter."""
+  return verify_cost(drafter, (1,), context, (), repeats)[1]
+
+
+def interpolate(curve: dict[int, float], n: float) -> float:
+  xs = np.array(sorted(curve))
+  ys = np.array([curve[x] for x in xs])
+  if n > xs[-1]:  # extrapolate linearly from the last two points
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    return float(ys[-1] + slope * (n - xs[-1]))
+  return float(np.interp(n, xs, ys))
+
+
+def flat_curve(curve: dict[int, float]) -> dict[int, float]:
+  """GPU-like: verifying up to 64 nodes costs what one token costs."""
+  return {n: curve[min(curve)] for n in curve}
+
+
+def projected_speedup(tau: float, nodes: Sequence[float] | float, draft_ms: float,
+                      curve: dict[int, float]) -> float:
+  """τ · C_v(1) / (C_d + mean C_v(n_t)); nodes: per-iteration node counts or their mean."""
+  nodes = np.atleast_1d(np.asarray(nodes, np.float64))
+  verify_ms = float(np.mean([interpolate(curve, n) for n in nodes])) if nodes.size else 0.0
+  return tau * curve[min(curve)] / (draft_ms + verify_ms)
+
+
+def method_draft_ms(method: str, costs: dict, gate_rate: float = 0.0, num_paths: int = 1,
+                    gamma: int = 0, flat: bool = False) -> float:
+  """Draft cost per iteration of a method from the measured costs dict (see `measure`).
+
+  chain: one block pass. cure: one block pass plus, when the gate fires (share gate_rate of
+  iterations), one re-draft pass over num_paths blocks. ar_draft: gamma + 1 drafter steps.
+  flat=True prices the drafter on the GPU-like flat scale: its measured cost relative to the
+  target at equal token count, times C_v(1).
+  """
+  if method == "ar":
+    return 0.0
+  if method == "ar_draft":
+    # one token wide: its ratio to C_v(1) is the same on the flat scale
+    return (gamma + 1) * costs["ar_draft_step_ms"]
+  block = costs["draft_ms"]
+  ms = block[1] + gate_rate * block.get(num_paths, block[1])
+  if flat:
+    ratio = ms / interpolate(costs["verify_ms"], costs["block_size"])
+    return ratio * costs["verify_ms"][min(costs["verify_ms"])]
+  return ms
+
+
+def measure(target, drafter=None, ar_drafter=None, *, num_paths: int = 5, context: int = 256,
+            nodes: Sequence[int] = NODES, feature_layers: tuple[int, ...] = (),
+            repeats: int = 5) -> dict:
+  """All measured costs (ms); int keys (json turns them into strings)."""
+  out = dict(device=str(jax.devices()[0]), context=context,
+             verify_ms=verify_cost(target, nodes, context, feature_layers, repeats))
+  if drafter is not None:
+    out["block_size"] = drafter.cfg.block_size
+    out["draft_ms"] = draft_cost(target, drafter, sorted({1, num_paths}), context, repeats)
+  if ar_drafter is not None:
+    out["ar_draft_step_ms"] = ar_draft_cost(ar_drafter, context, repeats)
+  return out

@@ -1,0 +1,797 @@
+"""The benchmark tables: decode the variants a table needs, assemble its rows, render markdown,
+and write JSON + markdown (+ PNG) atomically under the results folder.
+
+Every table function takes a `Bench` (models, prompts, config, results folder) and returns its
+JSON-ready payload; decoded results are cached on the Bench by (method, cure settings, prompt),
+so `--table=all` decodes each variant once and every table compares runs of the same process.
+Within a table the variants are interleaved prompt by prompt (all variants decode prompt i
+before any decodes prompt i+1), so a change in machine load hits every method alike.
+
+Measured: τ (mean emitted tokens per iteration, bonus included), TPOT (decode wall time /
+tokens generated after the first, compile and prefill excluded), speedups against target-only
+AR of the same run, node counts, token equality with AR, pass@1. Projected (sweep table only,
+labelled as such): speedups from the paper's efficiency model on measured cost curves.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from cure_jax import diagnostics, pipeline, scorer
+from experiments import cost_model
+
+TABLES = ("1", "3", "4", "5", "diagnostic", "sweep", "peers")
+TABLE4_PROBLEMS = 64
+SWEEP_GRID = dict(tau_margin=(0.5, 1.0, 2.0, 4.0), v_max=(32, 48, 64), b_max=(2, 3, 5),
+                  select=("margin", "earliest", "expected_gain"))
+
+# The paper's numbers (Qwen3-8B, bf16, one GPU), for context in the markdown only.
+PAPER = dict(
+    table1_humaneval=dict(ar_tpot_ms=30.430, chain_tau=7.165, cure_tau=7.641, cure_tpot_ms=8.718,
+                          cure_speedup=3.49, naive_sd_tpot_ms=42.203),
+    table3_pass1=dict(humaneval=0.799, mbpp=0.711, lcb_lite=0.234),
+    table4=dict(cure=dict(tau=6.826, speedup=2.708, tpot_ratio=1.776),
+                no_branch0=dict(tau_change=-0.057, speedup=2.616),
+                no_resync=dict(tau=4.089, tau_change=-0.401, tpot_ratio=2.642)),
+)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """A decoding method with cure overrides on top of the config's cure settings."""
+
+  label: str
+  method: str
+  cure: tuple[tuple[str, Any], ...] = ()
+
+  @classmethod
+  def of(cls, label: str, method: str, **cure) -> "Variant":
+    return cls(label, method, tuple(sorted(cure.items())))
+
+
+@dataclasses.dataclass
+class Bench:
+  """Everything the tables share: models, prompts, config, where results go."""
+
+  config: Any                          # ml_collections.ConfigDict (paths resolved)
+  target: Any
+  drafter: Any
+  rows: list[dict]                     # prompt rows (prompt text, task_id, test, entry_point...)
+  ids: list[list[int]]                 # their token ids
+  tokenizer: Any = None
+  stops: tuple[int, ...] = ()
+  results_dir: str = "results"
+  ar_drafter: Any = None
+  ar_drafter_note: str = ""            # why ar_draft is absent, when it is
+  target_dir: str | None = None        # HF directories, for the peers table
+  drafter_dir: str | None = None
+  warmup: bool = True                  # decode the first prompt once per variant before timing
+  progress: bool = True
+  echo: Callable[[str], None] = print
+  runs: dict = dataclasses.field(default_factory=dict)        # cache key -> {index: Result}
+  generators: dict = dataclasses.field(default_factory=dict)  # cache key -> Generator
+
+  def cure_settings(self, variant: Variant) -> dict:
+    c = dict(self.config.cure)
+    c.update(dict(variant.cure))
+    return c
+
+  def key(self, variant: Variant) -> tuple:
+    if variant.method != "cure":
+      return (variant.method,)
+    return ("cure",) + tuple(sorted(self.cure_settings(variant).items()))
+
+
+def _generator(bench: Bench, variant: Variant):
+  key = bench.key(variant)
+  if key not in bench.generators:
+    cfg = copy.deepcopy(bench.config)
+    with cfg.unlocked():
+      cfg.cure.update(dict(variant.cure))
+      if variant.method == "ar_draft":
+        cfg.drafter.block_size = 0  # gamma + 1
+    drafter = bench.ar_drafter if variant.method == "ar_draft" else bench.drafter
+    bench.generators[key] = pipeline.make_generator(cfg, bench.target, drafter, bench.stops,
+                                                    variant.method)
+  return bench.generators[key]
+
+
+def _progress(iterable, desc: str, bench: Bench):
+  from tqdm import tqdm
+  return tqdm(iterable, desc=desc, disable=not bench.progress, file=sys.stderr, leave=False)
+
+
+def run_variants(bench: Bench, variants: Sequence[Variant], indices: Sequence[int],
+                 desc: str = "decode") -> dict[str, list]:
+  """Decodes every variant on every prompt index (interleaved by prompt); cached per Bench.
+
+  Returns label -> list of Results in `indices` order.
+  """
+  todo = list({bench.key(v): v for v in variants
+               if any(i not in bench.runs.get(bench.key(v), {}) for i in indices)}.values())
+  for v in todo:
+    gen = _generator(bench, v)
+    if bench.warmup and indices:  # compile + one untimed decode
+      gen.generate([bench.ids[indices[0]]])
+  for i in _progress(indices, desc, bench):
+    for v in todo:
+      store = bench.runs.setdefault(bench.key(v), {})
+      if i not in store:
+        store[i] = _generator(bench, v).generate([bench.ids[i]])[0]
+  return {v.label: [bench.runs[bench.key(v)][i] for i in indices] for v in variants}
+
+
+def compile_seconds(bench: Bench, variant: Variant) -> float:
+  gen = bench.generators.get(bench.key(variant))
+  return float(sum(gen.compile_s.values())) if gen is not None else 0.0
+
+
+# ----------------------------------------------------------------------------- summaries
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
+
+
+def summarize(results: Sequence, reference: Sequence | None = None) -> dict:
+  """τ, TPOT, tokens/s, nodes, gate statistics; equality with `reference` (AR) when given."""
+  lens = [a for r in results for a in r.accept_lengths]
+  stats = [s for r in results for s in r.stats]
+  tokens_after_first = sum(max(len(r.output_ids) - 1, 0) for r in results)
+  decode_s = sum(r.decode_s for r in results)
+  out = dict(prompts=len(results), generated_tokens=sum(len(r.output_ids) for r in results),
+             iterations=len(lens), tau=float(np.mean(lens)) if lens else 0.0,
+             tpot_ms=1000.0 * decode_s / max(tokens_after_first, 1),
+             tpot_ms_prompt_mean=float(np.mean([r.tpot_ms for r in results])) if results else 0.0,
+             tokens_per_s=tokens_after_first / max(decode_s, 1e-9), decode_s=decode_s,
+             nodes_verified=float(np.mean([s["nodes_verified"] for s in stats])) if stats else 0.0,
+             gate_rate=float(np.mean([bool(s.get("ufp_positions")) for s in stats])) if stats
+             else 0.0,
+             repair_wins=int(sum(s.get("winning_branch", 0) > 0 for s in stats)),
+             repair_gain_tokens=int(sum(max(s.get("repair_gain", 0), 0) for s in stats)))
+  if reference is not None:
+    same = [r.output_ids == a.output_ids for r, a in zip(results, reference)]
+    out["mismatches_vs_ar"] = int(len(same) - sum(same))
+    out["mismatched_prompts"] = [i for i, s in enumerate(same) if not s]
+    out["token_agreement_vs_ar"] = float(np.mean([
+        common_prefix(r.output_ids, a.output_ids) / max(len(r.output_ids), len(a.output_ids), 1)
+        for r, a in zip(results, reference)])) if results else 0.0
+  return out
+
+
+def _num(x, fmt: str = ".3f", suffix: str = "") -> str:
+  if x is None:
+    return "n/a"
+  if isinstance(x, float) and not np.isfinite(x):
+    return "n/a"
+  return f"{x:{fmt}}{suffix}"
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def environment() -> dict:
+  import jax
+  return dict(jax=jax.__version__, device=str(jax.devices()[0]), cpus=os.cpu_count(),
+              load_average=list(os.getloadavg()), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+# ----------------------------------------------------------------------------- output
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def write_text(path, text: str) -> None:
+  _atomic_bytes(Path(path), text.encode())
+
+
+def save_figure(fig, path) -> None:
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+  _atomic_bytes(Path(path), buf.getvalue())
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (np.integer,)):
+    return int(x)
+  if isinstance(x, (np.floating,)):
+    return float(x)
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  if isinstance(x, float) and not np.isfinite(x):
+    return None
+  return x
+
+
+def write_outputs(bench: Bench, name: str, payload: dict, md: str) -> dict:
+  """results/<name>.json and results/<name>.md (atomic); prints the markdown."""
+  out = Path(bench.results_dir)
+  payload = dict(payload, table=name, environment=environment(),
+                 config=bench.config.to_dict())
+  pipeline.write_json(str(out / f"{name}.json"), _jsonable(payload))
+  write_text(out / f"{name}.md", md)
+  bench.echo(md)
+  return payload
+
+
+def write_raw(bench: Bench, label: str, results: Sequence, indices: Sequence[int]) -> str:
+  """Per-prompt results (ids, accept lengths, per-iteration stats) of one variant."""
+  safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+  path = Path(bench.results_dir) / "raw" / f"{safe}.json"
+  rows = []
+  for i, r in zip(indices, results):
+    row = dataclasses.asdict(r)
+    row["prompt_index"] = i
+    row["task_id"] = bench.rows[i].get("task_id")
+    rows.append(row)
+  pipeline.write_json(str(path), _jsonable(rows))
+  return str(path)
+
+
+def _indices(bench: Bench, limit: int | None = None) -> list[int]:
+  n = len(bench.ids)
+  return list(range(n if limit is None else min(limit, n)))
+
+
+# ----------------------------------------------------------------------------- table 1
+
+def _table1_variants(bench: Bench) -> list[Variant]:
+  vs = [Variant.of("ar", "ar")]
+  if bench.ar_drafter is not None:
+    vs.append(Variant.of("ar_draft", "ar_draft"))
+  vs += [Variant.of("chain", "chain"), Variant.of("cure", "cure")]
+  return vs
+
+
+def table1(bench: Bench) -> dict:
+  """Methods side by side on the same prompts in one process: TPOT, τ, speedup vs AR, and
+  whether every output equals AR's tokens."""
+  idx = _indices(bench)
+  variants = _table1_variants(bench)
+  runs = run_variants(bench, variants, idx, "table 1")
+  ar = runs["ar"]
+  rows = []
+  for v in variants:
+    s = summarize(runs[v.label], None if v.label == "ar" else ar)
+    s.update(method=v.label, compile_s=compile_seconds(bench, v),
+             speedup_vs_ar=summarize(ar)["tpot_ms"] / s["tpot_ms"] if s["tpot_ms"] else None)
+    if v.label == "ar":
+      s.update(mismatches_vs_ar=0, token_agreement_vs_ar=1.0)
+    rows.append(s)
+    write_raw(bench, f"{v.label}", runs[v.label], idx)
+  per_prompt = []
+  for j, i in enumerate(idx):
+    row = dict(index=i, task_id=bench.rows[i].get("task_id"), prompt_tokens=len(bench.ids[i]))
+    for v in variants:
+      r = runs[v.label][j]
+      row[v.label] = dict(tokens=len(r.output_ids), iterations=r.iterations,
+                          tau=float(np.mean(r.accept_lengths)) if r.accept_lengths else 0.0,
+                          tpot_ms=r.tpot_ms, equal_to_ar=r.output_ids == ar[j].output_ids)
+    per_prompt.append(row)
+  notes = []
+  if bench.ar_drafter is None:
+    notes.append(f"ar_draft skipped: {bench.ar_drafter_note or 'no AR drafter given'}")
+  chain = next((r for r in rows if r["method"] == "chain"), None)
+  cure = next((r for r in rows if r["method"] == "cure"), None)
+  extra = {}
+  if chain and cure and chain["tau"]:
+    extra = dict(cure_tau_gain=cure["tau"] / chain["tau"] - 1.0,
+                 cure_tpot_ratio_vs_chain=cure["tpot_ms"] / chain["tpot_ms"])
+  payload = dict(prompts=len(idx), rows=rows, per_prompt=per_prompt, notes=notes, **extra,
+                 paper=PAPER["table1_humaneval"])
+  md = [f"## Table 1: methods on the same {len(idx)} prompts, one process "
+        f"(max_new_tokens={bench.config.max_new_tokens}, {bench.config.dtype})", "",
+        md_table(["method", "τ", "TPOT ms", "speedup vs ar", "tokens/s", "nodes/iter",
+                  "≠ ar (prompts)", "compile s"],
+                 [[r["method"], _num(r["tau"]), _num(r["tpot_ms"], ".2f"),
+                   _num(r["speedup_vs_ar"], ".2f", "×"), _num(r["tokens_per_s"], ".1f"),
+                   _num(r["nodes_verified"], ".1f"), f"{r['mismatches_vs_ar']}/{r['prompts']}",
+                   _num(r["compile_s"], ".1f")] for r in rows])]
+  if extra:
+    md.append(f"\ncure vs chain: τ {100 * extra['cure_tau_gain']:+.1f}%, TPOT ratio "
+              f"{extra['cure_tpot_ratio_vs_chain']:.3f} (paper, Qwen3-8B HumanEval: τ 7.165 → "
+              f"7.641 (+6.6%), TPOT ratio 1.40–1.61, cure speedup 3.49×).")
+  md += [f"\nNote: {n}" for n in notes]
+  return write_outputs(bench, "table1", payload, "\n".join(md) + "\n")
+
+
+# ----------------------------------------------------------------------------- table 3
+
+def extract_program(row: dict, text: str) -> str:
+  """A runnable HumanEval program from a completion: the prompt's preamble plus the function the
+  model wrote (chat style, fenced or not), else the prompt continued by the completion; then the
+  tests and the check call."""
+  entry = row["entry_point"]
+  blocks = re.findall(r"```[A-Za-z0-9_+-]*[ \t]*\n(.*?)(?:```|\Z)", text, re.S)
+  code = next((b for b in blocks if re.search(rf"def\s+{re.escape(entry)}\s*\(", b)),
+              blocks[0] if blocks else text)
+  prompt = row["prompt"]
+  m = re.search(rf"^def\s+{re.escape(entry)}\s*\(", code, re.M)
+  if m:
+    head = re.search(rf"^def\s+{re.escape(entry)}\s*\(", prompt, re.M)
+    # the prompt's preamble (imports, helper functions) + everything the model wrote
+    program = (prompt[:head.start()] if head else "") + code
+  else:
+    program = prompt + code
+  return f"{program}\n\n{row['test']}\n\ncheck({entry})\n"
+
+
+_BOOT = """import resource, runpy, sys
+for limit, value in ((resource.RLIMIT_AS, {mem}), (resource.RLIMIT_CPU, {cpu}),
+                     (resource.RLIMIT_FSIZE, 16 << 20), (resource.RLIMIT_NPROC, 64)):
+  resource.setrlimit(limit, (value, value))
+sys.argv = [sys.argv[1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_program(program: str, timeout: float = 10.0, memory_gib: int = 4) -> dict:
+  """Runs untrusted test code in a separate Python process: isolated mode, empty temporary
+  working directory, memory / CPU / file-size / process limits set by a bootstrap before the
+  program runs, wall-clock timeout (the whole session is killed). Passed = exit status 0.
+
+  No preexec_fn: forking a multithreaded JAX process to run Python in the child can deadlock.
+  """
+  with tempfile.TemporaryDirectory() as d:
+    path = Path(d) / "program.py"
+    path.write_text(program)
+    boot = _BOOT.format(mem=memory_gib << 30, cpu=int(timeout) + 1)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": d, "PYTHONHASHSEED": "0"}
+    proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot, str(path)], cwd=d, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+      _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      proc.communicate()
+      return dict(passed=False, status="timed out")
+    if proc.returncode == 0:
+      return dict(passed=True, status="passed")
+    tail = err.decode(errors="replace").strip().splitlines()
+    return dict(passed=False, status=f"failed: {tail[-1][:200] if tail else proc.returncode}")
+
+
+def check_programs(programs: Sequence[str], timeout: float = 10.0, workers: int = 2) -> list[dict]:
+  """run_program over many programs (identical programs run once)."""
+  unique = {hashlib.sha256(p.encode()).hexdigest(): p for p in programs}
+  with ThreadPoolExecutor(max_workers=workers) as pool:
+    done = dict(zip(unique, pool.map(lambda p: run_program(p, timeout), unique.values())))
+  return [done[hashlib.sha256(p.encode()).hexdigest()] for p in programs]
+
+
+def completion_text(bench: Bench, ids: Sequence[int]) -> str:
+  if bench.tokenizer is None:
+    return ""
+  return bench.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def table3(bench: Bench, timeout: float = 10.0, execute: bool = True) -> dict:
+  """pass@1 of every method's completions on the prompts that carry tests, with τ, TPOT and
+  token-level agreement with AR."""
+  idx = [i for i in _indices(bench) if "test" in bench.rows[i] and "entry_point" in bench.rows[i]]
+  notes = []
+  if not idx:
+    notes.append("no prompt carries `test` and `entry_point` (HumanEval rows do): pass@1 skipped")
+  variants = _table1_variants(bench)
+  runs = run_variants(bench, variants, idx, "table 3") if idx else {}
+  if bench.tokenizer is None:
+    notes.append("no tokenizer: completions cannot be decoded to text, so every test fails")
+  rows, completions = [], []
+  ar = runs.get("ar")
+  for v in variants if idx else []:
+    texts = [completion_text(bench, r.output_ids) for r in runs[v.label]]
+    programs = [extract_program(bench.rows[i], t) for i, t in zip(idx, texts)]
+    verdicts = (check_programs(programs, timeout) if execute
+                else [dict(passed=None, status="not executed")] * len(programs))
+    s = summarize(runs[v.label], None if v.label == "ar" else ar)
+    passes = sum(bool(x["passed"]) for x in verdicts)
+    rows.append(dict(method=v.label, problems=len(idx), passed=passes if execute else None,
+                     pass_at_1=passes / len(idx) if execute else None, tau=s["tau"],
+                     tpot_ms=s["tpot_ms"],
+                     exact_match_vs_ar=len(idx) - s.get("mismatches_vs_ar", 0),
+                     token_agreement_vs_ar=s.get("token_agreement_vs_ar", 1.0)))
+    for i, t, x in zip(idx, texts, verdicts):
+      completions.append(dict(method=v.label, index=i, task_id=bench.rows[i].get("task_id"),
+                              completion=t, **x))
+  if not execute:
+    notes.append("tests not executed (--noexecute)")
+  payload = dict(problems=len(idx), rows=rows, completions=completions, notes=notes,
+                 timeout_s=timeout, paper=PAPER["table3_pass1"])
+  md = [f"## Table 3: pass@1 on {len(idx)} problems (greedy, one sample)", "",
+        md_table(["method", "pass@1", "passed", "τ", "TPOT ms", "= ar (prompts)",
+                  "token agreement vs ar"],
+                 [[r["method"], _num(r["pass_at_1"] and 100 * r["pass_at_1"], ".1f", "%")
+                   if r["pass_at_1"] is not None else "n/a",
+                   f"{r['passed']}/{r['problems']}" if r["passed"] is not None else "n/a",
+                   _num(r["tau"]), _num(r["tpot_ms"], ".2f"),
+                   f"{r['exact_match_vs_ar']}/{r['problems']}",
+                   _num(100 * r["token_agreement_vs_ar"], ".1f", "%")] for r in rows]),
+        "\nPaper (Qwen3-8B): pass@1 equal to target AR on HumanEval 79.9%, MBPP 71.1%, "
+        "LCB-lite 23.4%."]
+  md += [f"\nNote: {n}" for n in notes]
+  return write_outputs(bench, "table3", payload, "\n".join(md) + "\n")
+
+
+# ----------------------------------------------------------------------------- table 4
+
+TABLE4_VARIANTS = (Variant.of("cure", "cure"),
+                   Variant.of("cure w/o branch 0", "cure", keep_branch0=False),
+                   Variant.of("cure w/o resync", "cure", resync=False),
+                   Variant.of("cure w/o both", "cure", keep_branch0=False, resync=False))
+
+
+def table4(bench: Bench, problems: int = TABLE4_PROBLEMS,
+           ablations: Sequence[Variant] = TABLE4_VARIANTS[1:]) -> dict:
+  """Ablations on a fixed subset (the first `problems` prompts): branch 0 and resync."""
+  idx = _indices(bench, problems)
+  variants = [Variant.of("ar", "ar"), Variant.of("chain", "chain"), TABLE4_VARIANTS[0]]
+  variants += list(ablations)
+  runs = run_variants(bench, variants, idx, "table 4")
+  ar_tpot = summarize(runs["ar"])["tpot_ms"]
+  chain_tpot = summarize(runs["chain"])["tpot_ms"]
+  base = summarize(runs["cure"])
+  rows = []
+  for v in variants:
+    s = summarize(runs[v.label], None if v.label == "ar" else runs["ar"])
+    s.update(variant=v.label, speedup_vs_ar=ar_tpot / s["tpot_ms"],
+             tpot_ratio_vs_chain=s["tpot_ms"] / chain_tpot,
+             tau_change_vs_cure=s["tau"] / base["tau"] - 1.0 if base["tau"] else None)
+    if v.label == "ar":
+      s.update(mismatches_vs_ar=0)
+    rows.append(s)
+    if v.method == "cure":
+      write_raw(bench, f"table4_{v.label}", runs[v.label], idx)
+  payload = dict(problems=len(idx), rows=rows, paper=PAPER["table4"],
+                 definitions=dict(tpot_ratio="TPOT / chain TPOT (same prompts, same run)",
+                                  tau_change="τ / τ(cure) - 1"))
+  md = [f"## Table 4: ablations on the first {len(idx)} prompts", "",
+        md_table(["variant", "τ", "Δτ vs cure", "TPOT ms", "speedup vs ar",
+                  "TPOT ratio vs chain", "nodes/iter", "≠ ar"],
+                 [[r["variant"], _num(r["tau"]),
+                   _num(None if r["tau_change_vs_cure"] is None
+                       else 100 * r["tau_change_vs_cure"], "+.1f", "%"), _num(r["tpot_ms"], ".2f"),
+                   _num(r["speedup_vs_ar"], ".3f", "×"), _num(r["tpot_ratio_vs_chain"], ".3f"),
+                   _num(r["nodes_verified"], ".1f"), f"{r['mismatches_vs_ar']}/{r['prompts']}"]
+                  for r in rows]),
+        "\nPaper (Qwen3-8B, 64-example subset): cure τ 6.826, speedup 2.708×, TPOT ratio 1.776; "
+        "w/o branch 0: τ −5.7%, speedup 2.616×; w/o resync: τ 4.089 (−40.1%), TPOT ratio 2.642."]
+  return write_outputs(bench, "table4", payload, "\n".join(md) + "\n")
+
+
+# ----------------------------------------------------------------------------- table 5
+
+def table5(bench: Bench, tau: float | None = None, kinds: Sequence[str] = ("logreg", "mlp"),
+           steps: int = 400, seed: int = 0) -> dict:
+  """The offline repair-utility scorer on cure's per-iteration stats: train on the first half
+  of the prompts, rank the blocks of the second half."""
+  idx = _indices(bench)
+  tau = float(bench.config.cure.tau_margin if tau is None else tau)
+  variant = Variant.of("cure" if tau == bench.config.cure.tau_margin else f"cure tau={tau:g}",
+                       "cure", tau_margin=tau)
+  runs = run_variants(bench, [variant], idx, "table 5")[variant.label]
+  k = bench.generators[bench.key(variant)].block_size
+  records = diagnostics.block_records(runs, k)
+  result = scorer.evaluate(records, tau, num_prompts=len(idx), kinds=kinds, steps=steps,
+                           seed=seed)
+  result.update(prompts=len(idx), tau=tau, raw=write_raw(bench, f"table5_{variant.label}", runs,
+                                                          idx))
+  md = scorer.markdown(result)
+  md += (f"\ncure tau_margin={tau:g} on {len(idx)} prompts (first half trains, second half "
+         f"tests; the last iteration of each prompt is dropped).\n")
+  return write_outputs(bench, "table5", result, md)
+
+
+# ----------------------------------------------------------------------------- diagnostic
+
+def diagnostic(bench: Bench, tau: float | None = None) -> dict:
+  """The margin diagnostic from a chain run (plus the cure run's gate decisions)."""
+  idx = _indices(bench)
+  tau = float(bench.config.cure.tau_margin if tau is None else tau)
+  runs = run_variants(bench, [Variant.of("chain", "chain"), Variant.of("cure", "cure")], idx,
+                      "diagnostic")
+  k = bench.generators[bench.key(Variant.of("chain", "chain"))].block_size
+  chain = diagnostics.block_records(runs["chain"], k)
+  cure = diagnostics.block_records(runs["cure"], k)
+  d = diagnostics.diagnose(chain, tau, cure_records=cure)
+  notes = []
+  if not d["margins_available"]:
+    notes.append("the decoder's stats carry no `block_margins`: margin histograms and the "
+                 "lowest-margin analysis are missing (only the cure gate's decisions are used)")
+  out = Path(bench.results_dir)
+  try:
+    figures = diagnostics.plot(d, str(out / "diagnostic_margins.png"),
+                               str(out / "diagnostic_first_rejection.png"), save_figure)
+  except ImportError:
+    figures = []
+    notes.append("matplotlib is not installed: no PNG")
+  d.update(prompts=len(idx), figures=figures, notes=notes)
+  md = diagnostics.markdown(d) + "".join(f"\nNote: {n}\n" for n in notes)
+  return write_outputs(bench, "diagnostic", d, md)
+
+
+# ----------------------------------------------------------------------------- sweep
+
+def sweep_variants(base_cure: dict, grid: dict = SWEEP_GRID) -> list[Variant]:
+  """One factor at a time around the config's cure settings."""
+  out = []
+  for name, values in grid.items():
+    for value in values:
+      tag = " (base)" if base_cure.get(name) == value else ""
+      out.append(Variant.of(f"{name}={value}{tag}", "cure", **{name: value}))
+  return out
+
+
+def table_sweep(bench: Bench, grid: dict = SWEEP_GRID, cost_context: int | None = None,
+                repeats: int = 5, nodes: Sequence[int] = cost_model.NODES) -> dict:
+  """tau_margin / v_max / b_max grids and the three gate rules: τ, nodes, measured TPOT; plus
+  projected speedups from the measured verification cost curve and a GPU-like flat one."""
+  idx = _indices(bench)
+  base = dict(bench.config.cure)
+  k = bench.drafter.cfg.block_size
+  def allowed(name, value):  # drop settings the config cannot take
+    if name == "v_max":
+      return value >= min(base["max_depth"], k - 1) + 1
+    if name == "b_max":
+      return value >= base["b_min"]
+    return True
+
+  grid = {n: tuple(v for v in vals if allowed(n, v)) for n, vals in grid.items()}
+  cure_variants = sweep_variants(base, grid)
+  seen = {}
+  for v in cure_variants:  # the base settings appear once per factor: decode once
+    seen.setdefault(bench.key(v), v)
+  refs = [Variant.of("ar", "ar"), Variant.of("chain", "chain")]
+  runs = run_variants(bench, refs + list(seen.values()), idx, "sweep")
+  for v in cure_variants:
+    runs.setdefault(v.label, runs[seen[bench.key(v)].label])
+  mean_prompt = int(np.mean([len(bench.ids[i]) for i in idx])) if idx else 64
+  context = cost_context or mean_prompt + int(bench.config.max_new_tokens) // 2
+  num_paths = max(bench.generators[bench.key(v)].cure.num_paths for v in seen.values())
+  costs = cost_model.measure(bench.target, bench.drafter, num_paths=num_paths, context=context,
+                             nodes=nodes, feature_layers=bench.drafter.cfg.feature_layers,
+                             repeats=repeats)
+  curve = costs["verify_ms"]
+  flat = cost_model.flat_curve(curve)
+  ar_tpot = summarize(runs["ar"])["tpot_ms"]
+  rows = []
+  for v in refs + cure_variants:
+    res = runs[v.label]
+    s = summarize(res, None if v.label == "ar" else runs["ar"])
+    nodes = [st["nodes_verified"] for r in res for st in r.stats]
+    if v.method == "cure":
+      paths = bench.generators[bench.key(v)].cure.num_paths
+      costs["draft_ms"].setdefault(paths, cost_model.draft_cost(
+          bench.target, bench.drafter, (paths,), context, repeats)[paths])
+    else:
+      paths = 1
+    proj = {}
+    for name, c, is_flat in (("projected_speedup_cpu_curve", curve, False),
+                             ("projected_speedup_flat_curve", flat, True)):
+      d_ms = cost_model.method_draft_ms(v.method, costs, s["gate_rate"], paths, flat=is_flat)
+      proj[name] = (1.0 if v.method == "ar" else
+                    cost_model.projected_speedup(s["tau"], nodes, d_ms, c))
+    s.update(variant=v.label, measured_speedup_vs_ar=ar_tpot / s["tpot_ms"],
+             cure=bench.cure_settings(v) if v.method == "cure" else None, **proj)
+    if v.label == "ar":
+      s.update(mismatches_vs_ar=0)
+    rows.append(s)
+  notes = ["measured: τ, nodes/iter, TPOT, measured speedup (this machine, same run)",
+           "projected: speedup = τ·C_v(1) / (C_d + mean_t C_v(n_t)) from the measured cost "
+           "curve (above); 'flat' assumes a GPU-like C_v(n) = C_v(1) for n <= 64 with the "
+           "drafter priced at its measured cost relative to the target at equal token count"]
+  payload = dict(prompts=len(idx), grid={n: list(v) for n, v in grid.items()}, rows=rows,
+                 costs=costs, notes=notes)
+  out = Path(bench.results_dir)
+  try:
+    payload["figure"] = _plot_sweep(rows, curve, str(out / "sweep.png"))
+  except ImportError:
+    notes.append("matplotlib is not installed: no PNG")
+  md = [f"## Sweep on {len(idx)} prompts (one factor at a time around the config)", "",
+        md_table(["variant", "τ", "nodes/iter", "gate rate", "TPOT ms", "speedup (measured)",
+                  "speedup (projected, CPU curve)", "speedup (projected, flat GPU-like)", "≠ ar"],
+                 [[r["variant"], _num(r["tau"]), _num(r["nodes_verified"], ".1f"),
+                   _num(100 * r["gate_rate"], ".0f", "%"), _num(r["tpot_ms"], ".2f"),
+                   _num(r["measured_speedup_vs_ar"], ".2f", "×"),
+                   _num(r["projected_speedup_cpu_curve"], ".2f", "×"),
+                   _num(r["projected_speedup_flat_curve"], ".2f", "×"),
+                   f"{r['mismatches_vs_ar']}/{r['prompts']}"] for r in rows]),
+        "", f"Measured cost curve on {costs['device']} (context {context} tokens): C_v(n) ms = " +
+        ", ".join(f"{n}: {ms:.2f}" for n, ms in curve.items()) +
+        "; C_d (DFlash pass, A blocks) ms = " +
+        ", ".join(f"A={a}: {ms:.2f}" for a, ms in costs["draft_ms"].items()) + "."]
+  md += [f"\nNote: {n}" for n in notes]
+  return write_outputs(bench, "sweep", payload, "\n".join(md) + "\n")
+
+
+def _plot_sweep(rows: list[dict], curve: dict, path: str) -> str:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  ax = axes[0]
+  for r in rows:
+    ax.scatter(r["nodes_verified"], r["tau"])
+    ax.annotate(r["variant"], (r["nodes_verified"], r["tau"]), fontsize=7)
+  ax.set_xlabel("nodes verified per iteration (measured)")
+  ax.set_ylabel("τ (measured)")
+  ax.set_title("acceptance vs tree size")
+  ax = axes[1]
+  labels = [r["variant"] for r in rows]
+  x = np.arange(len(rows))
+  w = 0.27
+  ax.bar(x - w, [r["measured_speedup_vs_ar"] for r in rows], w, label="measured")
+  ax.bar(x, [r["projected_speedup_cpu_curve"] for r in rows], w, label="projected (CPU curve)")
+  ax.bar(x + w, [r["projected_speedup_flat_curve"] for r in rows], w,
+         label="projected (flat GPU-like)")
+  ax.set_xticks(x, labels, rotation=70, fontsize=7)
+  ax.set_ylabel("speedup vs ar")
+  ax.axhline(1.0, color="k", lw=0.5)
+  ax.legend(fontsize=7)
+  ax = axes[2]
+  ns = sorted(curve)
+  ax.plot(ns, [curve[n] for n in ns], "o-", label="measured C_v(n)")
+  ax.plot(ns, [curve[ns[0]]] * len(ns), "--", label="flat GPU-like")
+  ax.set_xlabel("tree nodes n")
+  ax.set_ylabel("ms per target forward")
+  ax.set_title("verification cost curve")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  save_figure(fig, path)
+  plt.close(fig)
+  return path
+
+
+# ----------------------------------------------------------------------------- peers
+
+def table_peers(bench: Bench) -> dict:
+  """transformers `generate` (torch CPU float32) and the `dflash` wheel's chain decoding on the
+  same weights and prompts, beside ours, in the same run."""
+  idx = _indices(bench)
+  ours_v = [Variant.of("ar", "ar"), Variant.of("chain", "chain"), Variant.of("cure", "cure")]
+  runs = run_variants(bench, ours_v, idx, "peers (ours)")
+  rows = []
+  for v in ours_v:
+    s = summarize(runs[v.label], None if v.label == "ar" else runs["ar"])
+    rows.append(dict(system=f"cure_jax {v.label}", tau=s["tau"] if v.label != "ar" else 1.0,
+                     tokens_per_s=s["tokens_per_s"], tpot_ms=s["tpot_ms"],
+                     equal_to_our_ar=len(idx) - s.get("mismatches_vs_ar", 0)))
+  notes = []
+  if not bench.target_dir:
+    notes.append("no HF target directory: transformers and dflash peers skipped")
+  else:
+    try:
+      rows += _peer_rows(bench, idx, runs)
+    except ImportError as e:
+      notes.append(f"peers skipped: {e}")
+  payload = dict(prompts=len(idx), rows=rows, notes=notes)
+  md = [f"## Peers on {len(idx)} prompts (same weights, same run, CPU)", "",
+        md_table(["system", "τ", "tokens/s", "TPOT ms", "= our ar (prompts)"],
+                 [[r["system"], _num(r["tau"]), _num(r["tokens_per_s"], ".1f"),
+                   _num(r["tpot_ms"], ".2f"),
+                   "n/a" if r["equal_to_our_ar"] is None else f"{r['equal_to_our_ar']}/{len(idx)}"]
+                  for r in rows]),
+        "\ntokens/s excludes prefill for every system (transformers: generate time minus a "
+        "separately timed prefill forward)."]
+  md += [f"\nNote: {n}" for n in notes]
+  return write_outputs(bench, "peers", payload, "\n".join(md) + "\n")
+
+
+def _peer_rows(bench: Bench, idx: Sequence[int], ours: dict) -> list[dict]:
+  import warnings
+  from unittest import mock
+
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  torch.manual_seed(0)
+  target = AutoModelForCausalLM.from_pretrained(bench.target_dir, dtype=torch.float32).eval()
+  max_new = int(bench.config.max_new_tokens)
+  stops = [] if bench.config.ignore_eos else list(bench.stops)
+  rows = []
+  hf_ids, hf_s, hf_tok = [], 0.0, 0
+  gen_kwargs = dict(max_new_tokens=max_new, do_sample=False, num_beams=1,
+                    pad_token_id=stops[0] if stops else 0)
+  if stops:
+    gen_kwargs["eos_token_id"] = stops
+  else:
+    gen_kwargs.update(eos_token_id=None, min_new_tokens=max_new)
+  with torch.no_grad(), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    for i in _progress(idx, "peers (transformers)", bench):
+      x = torch.tensor([bench.ids[i]])
+      target(x)  # warm
+      t0 = time.perf_counter()
+      target(x)
+      prefill = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      out = target.generate(x, attention_mask=torch.ones_like(x), **gen_kwargs)
+      total = time.perf_counter() - t0
+      new = out[0, x.shape[1]:].tolist()
+      hf_ids.append(new)
+      hf_s += max(total - prefill, 1e-9)
+      hf_tok += max(len(new) - 1, 0)
+  same = sum(a == r.output_ids for a, r in zip(hf_ids, ours["ar"]))
+  rows.append(dict(system="transformers generate (torch fp32)", tau=1.0,
+                   tokens_per_s=hf_tok / hf_s, tpot_ms=1000 * hf_s / max(hf_tok, 1),
+                   equal_to_our_ar=same))
+  if not bench.drafter_dir:
+    return rows
+  from dflash import model as dflash_model
+  from dflash.model import DFlashDraftModel, dflash_generate
+  drafter = DFlashDraftModel.from_pretrained(bench.drafter_dir, dtype=torch.float32).eval()
+  lens, d_s, d_tok, d_ids = [], 0.0, 0, []
+  with torch.no_grad(), warnings.catch_warnings(), mock.patch.object(
+      dflash_model, "_cuda_time", time.perf_counter):
+    warnings.simplefilter("ignore")
+    for n, i in enumerate(_progress(idx, "peers (dflash)", bench)):
+      x = torch.tensor([bench.ids[i]])
+      if n == 0:  # warm-up
+        dflash_generate(drafter, target, x, max_new, stop_token_ids=stops or None,
+                        temperature=0.0, return_stats=True)
+      out = dflash_generate(drafter, target, x, max_new, stop_token_ids=stops or None,
+                            temperature=0.0, return_stats=True)
+      lens += list(out.acceptance_lengths)
+      d_s += out.time_per_output_token * out.num_output_tokens
+      d_tok += out.num_output_tokens
+      d_ids.append(out.output_ids[0, x.shape[1]:].tolist())
+  same = sum(a == r.output_ids for a, r in zip(d_ids, ours["ar"]))
+  rows.append(dict(system="dflash wheel dflash_generate (torch fp32)", tau=float(np.mean(lens)),
+                   tokens_per_s=d_tok / max(d_s, 1e-9), tpot_ms=1000 * d_s / max(d_tok, 1),
+                   equal_to_our_ar=same))
+  return rows
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def run_tables(bench: Bench, which: str, **kwargs) -> dict:
+  """Runs one table ('1', '3', '4', '5', 'diagnostic', 'sweep', 'peers') or 'all'."""
+  fns = {"1": table1, "3": lambda b: table3(b, execute=kwargs.get("execute", True)),
+         "4": table4, "5": lambda b: table5(b, tau=kwargs.get("scorer_tau")),
+         "diagnostic": diagnostic, "sweep": table_sweep, "peers": table_peers}
+  names = list(TABLES) if which == "all" else [which]
+  bad = [n for n in names if n not in fns]
+  if bad:
+    raise ValueError(f"--table={which!r}: choose one of {', '.join(TABLES)} or all")
+  return {n: fns[n](bench) for n in names}

@@ -1,0 +1,161 @@
+"""The benchmark tables end to end on a tiny random pair: files exist, parse, and agree.
+
+One Bench is shared by the module, so each variant compiles and decodes once (tables reuse
+each other's runs, as `--table=all` does).
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from configs import common
+from experiments import tables
+from tests import random_models
+
+ARCH = random_models.Arch()
+NUM_PROMPTS = 4
+SOLVED = "```python\ndef identity(x):\n    return x\n```"
+
+
+class _Tokenizer:
+  """Decodes a completion to a correct solution when its first token is even."""
+
+  def decode(self, ids, skip_special_tokens=True):
+    return SOLVED if ids and ids[0] % 2 == 0 else "I do not know."
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+  target, drafter = random_models.pair(ARCH, 3)
+  config = common.base_config()
+  config.max_new_tokens = 16
+  config.cure.tau_margin = 3.0   # random drafters are confident: let the gate fire
+  config.cure.v_max = 32
+  ids = random_models.prompts(1, ARCH.vocab, NUM_PROMPTS)
+  rows = [dict(prompt_ids=p, prompt="def identity(x):\n    \"\"\"Returns x.\"\"\"\n",
+               entry_point="identity", task_id=f"toy/{i}",
+               test="def check(candidate):\n    assert candidate(3) == 3\n") for i, p in
+          enumerate(ids)]
+  out = tmp_path_factory.mktemp("results")
+  b = tables.Bench(config=config, target=target, drafter=drafter, rows=rows, ids=ids,
+                   tokenizer=_Tokenizer(), results_dir=str(out), progress=False,
+                   echo=lambda s: None)
+  # Compile and decode the three methods every table uses once, up front (~3 compiles).
+  tables.run_variants(b, [tables.Variant.of(m, m) for m in ("ar", "chain", "cure")],
+                      list(range(NUM_PROMPTS)))
+  return b
+
+
+def _load(bench, name):
+  out = Path(bench.results_dir)
+  assert (out / f"{name}.md").read_text().startswith("## ")
+  return json.loads((out / f"{name}.json").read_text())
+
+
+def _raw(bench, label):
+  return json.loads((Path(bench.results_dir) / "raw" / f"{label}.json").read_text())
+
+
+def test_table1(bench):
+  tables.table1(bench)
+  t1 = _load(bench, "table1")
+  rows = {r["method"]: r for r in t1["rows"]}
+  assert set(rows) == {"ar", "chain", "cure"}  # no AR drafter: skipped with a note
+  assert any("ar_draft skipped" in n for n in t1["notes"])
+  for name, row in rows.items():
+    raw = _raw(bench, name)
+    lens = [a for r in raw for a in r["accept_lengths"]]
+    assert row["tau"] == pytest.approx(np.mean(lens))
+    assert row["iterations"] == len(lens) and row["prompts"] == NUM_PROMPTS
+    assert row["mismatches_vs_ar"] == 0  # float32 greedy: every method emits AR's tokens
+    assert row["speedup_vs_ar"] == pytest.approx(rows["ar"]["tpot_ms"] / row["tpot_ms"])
+    assert row["generated_tokens"] == sum(len(r["output_ids"]) for r in raw)
+  assert rows["ar"]["tau"] == 1.0 and rows["ar"]["nodes_verified"] == 1.0
+  assert rows["cure"]["nodes_verified"] >= rows["chain"]["nodes_verified"]
+  assert all(p[m]["equal_to_ar"] for p in t1["per_prompt"] for m in rows)
+  assert t1["cure_tau_gain"] == pytest.approx(rows["cure"]["tau"] / rows["chain"]["tau"] - 1)
+
+
+def test_table3(bench):
+  tables.table3(bench)
+  t3 = _load(bench, "table3")
+  ar = _raw(bench, "ar")
+  expected = sum(r["output_ids"][0] % 2 == 0 for r in ar)
+  for row in t3["rows"]:  # identical tokens -> identical pass counts
+    assert row["passed"] == expected and row["pass_at_1"] == expected / NUM_PROMPTS
+    assert row["exact_match_vs_ar"] == NUM_PROMPTS and row["token_agreement_vs_ar"] == 1.0
+  assert len(t3["completions"]) == 3 * NUM_PROMPTS
+
+
+def test_program_runner():
+  row = dict(prompt="def identity(x):\n    \"\"\"doc\"\"\"\n", entry_point="identity",
+             test="def check(candidate):\n    assert candidate(3) == 3\n")
+  ok = tables.extract_program(row, "Here:\n" + SOLVED + "\nDone.")
+  cont = tables.extract_program(row, "    return x\n")
+  wrong = tables.extract_program(row, "```python\ndef identity(x):\n    return 4\n```")
+  loop = tables.extract_program(row, "    while True:\n        pass\n")
+  results = tables.check_programs([ok, cont, wrong, loop], timeout=3.0)
+  assert [r["passed"] for r in results] == [True, True, False, False]
+  assert "AssertionError" in results[2]["status"] and results[3]["status"] == "timed out"
+
+
+def test_table5_and_diagnostic(bench):
+  tables.table5(bench, kinds=("logreg",), steps=100)
+  t5 = _load(bench, "table5")
+  cure = _raw(bench, "cure")  # the same run as table 1's cure (same settings)
+  kept = [s for r in cure for s in r["stats"][:-1]]
+  assert t5["blocks"] == len(kept)
+  assert t5["gated_blocks"] == sum(bool(s["ufp_positions"]) for s in kept)
+  assert t5["useful_blocks"] == sum(bool(s["ufp_positions"]) and s["repair_gain"] > 0
+                                    for s in kept)
+  assert t5["train"]["blocks"] + t5["test"]["blocks"] == t5["gated_blocks"]
+
+  tables.diagnostic(bench)
+  d = _load(bench, "diagnostic")
+  chain = _raw(bench, "chain")
+  assert d["blocks"] == sum(len(r["stats"]) - 1 for r in chain)
+  assert d["margins_available"] == d["blocks"]
+  assert sum(d["first_rejection_hist"]["counts"]) == d["blocks_with_rejection"]
+  assert sum(d["margin_hist"]["counts"]) == d["blocks"] * (ARCH.block_size - 1)
+  assert isinstance(d["verdict"], str) and d["pays"] in (True, False)
+  for png in d["figures"]:
+    assert Path(png).stat().st_size > 0
+
+
+def test_table4(bench):
+  # One ablation keeps the test short; the table's shape is the same with all three.
+  tables.table4(bench, problems=3, ablations=(tables.Variant.of("cure w/o resync", "cure",
+                                                                resync=False),))
+  t4 = _load(bench, "table4")
+  rows = {r["variant"]: r for r in t4["rows"]}
+  assert t4["problems"] == 3 and set(rows) == {"ar", "chain", "cure", "cure w/o resync"}
+  assert rows["cure"]["tau_change_vs_cure"] == 0.0
+  assert rows["chain"]["tpot_ratio_vs_chain"] == 1.0
+  for r in rows.values():
+    assert r["mismatches_vs_ar"] == 0 and r["prompts"] == 3
+    assert r["speedup_vs_ar"] == pytest.approx(rows["ar"]["tpot_ms"] / r["tpot_ms"])
+
+
+def test_sweep(bench):
+  # Base settings only (already compiled): two labels, one decode; plus the cost curves.
+  tables.table_sweep(bench, grid=dict(tau_margin=(3.0,), select=("margin",)), repeats=1,
+                     nodes=(1, 4, 8))
+  sw = _load(bench, "sweep")
+  rows = {r["variant"]: r for r in sw["rows"]}
+  assert set(rows) == {"ar", "chain", "tau_margin=3.0 (base)", "select=margin (base)"}
+  assert rows["tau_margin=3.0 (base)"]["tau"] == rows["select=margin (base)"]["tau"]
+  assert rows["ar"]["projected_speedup_cpu_curve"] == 1.0
+  for r in rows.values():
+    assert r["mismatches_vs_ar"] == 0
+    assert np.isfinite(r["projected_speedup_cpu_curve"]) and r["projected_speedup_flat_curve"] > 0
+  assert set(sw["costs"]["verify_ms"]) == {"1", "4", "8"}
+  assert Path(sw["figure"]).stat().st_size > 0
+
+
+def test_peers_without_hf_directories(bench):
+  tables.table_peers(bench)  # no HF directories: ours only, peers skipped with a note
+  peers = _load(bench, "peers")
+  assert [r["system"] for r in peers["rows"]] == ["cure_jax ar", "cure_jax chain", "cure_jax cure"]
+  assert peers["notes"] and all(r["equal_to_our_ar"] == NUM_PROMPTS for r in peers["rows"])
