@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 import jax.numpy as jnp
-from absl import app, flags
 from flax import nnx
 
 from convert import checkpoint
@@ -93,29 +92,5 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype=Non
                               num_shards=num_shards)
 
 
-def _define_flags() -> None:
-  """Defined only when run as a script, so importing this module never clashes with other flags."""
-  flags.DEFINE_string("hf_dir", None, "DFlash drafter HF directory: the source, or with --to_hf "
-                      "the destination.")
-  flags.DEFINE_string("out", None, "Converted checkpoint directory: the destination, or with "
-                      "--to_hf the source.")
-  flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: bfloat16 "
-                    "when converting, the stored dtype with --to_hf).")
-  flags.DEFINE_bool("to_hf", False, "Export the checkpoint at --out back to HF format in --hf_dir.")
-  flags.DEFINE_integer("num_shards", 1, "With --to_hf: number of safetensors files to write.")
-  flags.mark_flags_as_required(["hf_dir", "out"])
-
-
-def main(argv: list[str]) -> None:
-  del argv
-  args = flags.FLAGS
-  if args.to_hf:
-    written = export_hf(args.out, args.hf_dir, args.dtype, args.num_shards)
-  else:
-    written = convert_hf(args.hf_dir, args.out, args.dtype or "bfloat16")
-  print(f"wrote {written}")
-
-
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  checkpoint.run_cli("DFlash drafter HF", convert_hf, export_hf)
