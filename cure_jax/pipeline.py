@@ -15,7 +15,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from cure_jax import prompts as prompts_lib, repair
+from cure_jax import repair
 from cure_jax.generation import Generator, Result
 from cure_jax.sampling import Sampling
 

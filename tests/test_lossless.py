@@ -1,7 +1,6 @@
 """The central invariant: float32 greedy speculative decoding emits exactly the target's greedy
 tokens, for every method, on many random target/drafter pairs and prompts."""
 
-import numpy as np
 import pytest
 
 from cure_jax import repair
