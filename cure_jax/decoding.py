@@ -100,72 +100,96 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> St
                stats=Stats.zeros(b, n, u, spec.block_size))
 
 
-def iteration(target, drafter, spec: Spec, st: State) -> State:
-  """One propose -> verify -> commit -> resync step for every sequence still running."""
-  active = ~st.done
-  lengths = st.cache.lengths
-  limit = drafting.depth_limit(spec, lengths, st.produced)
-  key, key_draft, key_verify = jax.random.split(st.key, 3)
-  proposal, dcache = drafting.propose(target, drafter, st.dcache, spec, key_draft, st.anchor,
-                                      lengths, limit)
-  tree = proposal.tree
-  out = target(tree.tokens, tree.positions(lengths), st.cache, tree.attention_mask(
-      st.cache.visible()), spec.feature_layers)
-  logits = target.logits(out.hidden)                                       # [B, V, N]
-  k = spec.block_size
-  if spec.sampling.greedy:
-    verdict = verify.greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), k)
-  else:
-    verdict = verify.stochastic(tree, sampling.warp(logits, spec.sampling), proposal.q,
-                                proposal.deterministic, key_verify, k, spec.max_children)
+def propose(target, drafter, spec: Spec, st: State):
+  """Phase 1, draft and tree build: (proposal, drafter cache)."""
+  limit = drafting.depth_limit(spec, st.cache.lengths, st.produced)
+  key_draft = jax.random.fold_in(st.key, 1)
+  return drafting.propose(target, drafter, st.dcache, spec, key_draft, st.anchor,
+                          st.cache.lengths, limit)
 
-  # Tokens emitted: the accepted nodes after the root, then the bonus token.
-  i = jnp.arange(k)[None]
+
+def verify_tree(target, spec: Spec, st: State, proposal: drafting.Proposal):
+  """Phase 2, one target forward over the whole tree: (verdict, target output)."""
+  tree = proposal.tree
+  lengths = st.cache.lengths
+  out = target(tree.tokens, tree.positions(lengths), st.cache,
+               tree.attention_mask(st.cache.visible()), spec.feature_layers)
+  logits = target.logits(out.hidden)                                       # [B, V, N]
+  if spec.sampling.greedy:
+    return verify.greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                         spec.block_size), out
+  return verify.stochastic(tree, sampling.warp(logits, spec.sampling), proposal.q,
+                           proposal.deterministic, jax.random.fold_in(st.key, 2),
+                           spec.block_size, spec.max_children), out
+
+
+def _emitted(spec: Spec, st: State, tree, verdict):
+  """The accepted nodes after the root, then the bonus token, cut at a stop token or at
+  max_new_tokens: (tokens [B, K], how many count [B], stopped [B])."""
+  i = jnp.arange(spec.block_size)[None]
   along = jnp.take_along_axis(tree.tokens, jnp.roll(verdict.path, -1, axis=1), axis=1)
   emitted = jnp.where(i < verdict.accepted[:, None], along, verdict.next_token[:, None])
-  owed = spec.max_new_tokens - st.produced
-  n_new = jnp.minimum(verdict.accepted + 1, owed)
-  stop_at = jnp.argmax(_is_stop(spec, emitted) & (i < n_new[:, None]), axis=1)
-  hit_stop = jnp.any(_is_stop(spec, emitted) & (i < n_new[:, None]), axis=1)
-  n_new = jnp.where(hit_stop, stop_at + 1, n_new)
-  n_new = jnp.where(active, n_new, 0)
+  n_new = jnp.minimum(verdict.accepted + 1, spec.max_new_tokens - st.produced)
+  stops = _is_stop(spec, emitted) & (i < n_new[:, None])
+  hit_stop = jnp.any(stops, axis=1)
+  n_new = jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, n_new)
+  return emitted, jnp.where(st.done, 0, n_new), hit_stop
 
+
+def _record(stats: Stats, step, active, proposal, verdict, n_new) -> Stats:
+  """Writes this iteration's statistics at column `step` for the active sequences."""
+  def put(buf, val):
+    keep = active.reshape((-1,) + (1,) * (val.ndim - 1))
+    return buf.at[:, step].set(jnp.where(keep, val, buf[:, step]))
+
+  tree = proposal.tree
+  stats = stats.replace(
+      accept_lengths=put(stats.accept_lengths, n_new),
+      nodes_verified=put(stats.nodes_verified, jnp.sum(tree.valid, axis=1).astype(jnp.int32)),
+      winning_branch=put(stats.winning_branch,
+                         jnp.take_along_axis(tree.branch, verdict.winner[:, None], axis=1)[:, 0]),
+      branch0_accepted=put(stats.branch0_accepted, verdict.branch0_accepted),
+      repair_gain=put(stats.repair_gain, verdict.accepted - verdict.branch0_accepted),
+  )
+  if proposal.block_margins is not None:
+    stats = stats.replace(block_margins=put(stats.block_margins, proposal.block_margins))
+  gate = proposal.gate
+  if gate is not None:
+    stats = stats.replace(ufp_positions=put(stats.ufp_positions, gate.positions),
+                          ufp_margins=put(stats.ufp_margins, gate.margins),
+                          branches=put(stats.branches, gate.branches))
+  return stats
+
+
+def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, out) -> State:
+  """Phase 3: accepted keys/values into the target cache, drafter resync, outputs, stats."""
+  active = ~st.done
+  lengths = st.cache.lengths
+  emitted, n_new, hit_stop = _emitted(spec, st, proposal.tree, verdict)
   count = jnp.where(active, verdict.accepted + 1, 0)  # committed nodes: root + accepted
   cache = drafting.commit_target(st.cache, out, verdict.path, count)
-  dcache = drafting.resync(drafter, dcache, spec, proposal, out.features, verdict.path, lengths,
-                           count) if dcache is not None else None
   if dcache is not None:  # an inactive sequence keeps its drafter state
+    dcache = drafting.resync(drafter, dcache, spec, proposal, out.features, verdict.path,
+                             lengths, count)
     dcache = dcache.replace(lengths=jnp.where(active, dcache.lengths, st.dcache.lengths))
-
+  i = jnp.arange(spec.block_size)[None]
   slots = jnp.where(i < n_new[:, None], st.produced[:, None] + i, st.tokens.shape[1])
   tokens = st.tokens.at[jnp.arange(emitted.shape[0])[:, None], slots].set(emitted, mode="drop")
   produced = st.produced + n_new
-  done = st.done | (active & (hit_stop | (produced >= spec.max_new_tokens)))
+  return st.replace(
+      cache=cache, dcache=dcache, anchor=jnp.where(active, verdict.next_token, st.anchor),
+      tokens=tokens, produced=produced,
+      done=st.done | (active & (hit_stop | (produced >= spec.max_new_tokens))),
+      iterations=st.iterations + active.astype(jnp.int32), step=st.step + 1,
+      key=jax.random.fold_in(st.key, 3),
+      stats=_record(st.stats, st.step, active, proposal, verdict, n_new))
 
-  it = st.step
-  record = lambda buf, val: buf.at[:, it].set(jnp.where(
-      active.reshape((-1,) + (1,) * (val.ndim - 1)), val, buf[:, it]))
-  gate = proposal.gate
-  stats = st.stats
-  stats = stats.replace(
-      accept_lengths=record(stats.accept_lengths, n_new),
-      nodes_verified=record(stats.nodes_verified, jnp.sum(tree.valid, axis=1).astype(jnp.int32)),
-      winning_branch=record(stats.winning_branch,
-                            jnp.take_along_axis(tree.branch, verdict.winner[:, None], axis=1)[:, 0]),
-      branch0_accepted=record(stats.branch0_accepted, verdict.branch0_accepted),
-      repair_gain=record(stats.repair_gain, verdict.accepted - verdict.branch0_accepted),
-  )
-  if proposal.block_margins is not None:
-    stats = stats.replace(block_margins=record(stats.block_margins, proposal.block_margins))
-  if gate is not None:
-    stats = stats.replace(ufp_positions=record(stats.ufp_positions, gate.positions),
-                          ufp_margins=record(stats.ufp_margins, gate.margins),
-                          branches=record(stats.branches, gate.branches))
-  return st.replace(cache=cache, dcache=dcache, anchor=jnp.where(active, verdict.next_token,
-                                                                 st.anchor),
-                    tokens=tokens, produced=produced, done=done,
-                    iterations=st.iterations + active.astype(jnp.int32), step=it + 1, key=key,
-                    stats=stats)
+
+def iteration(target, drafter, spec: Spec, st: State) -> State:
+  """One propose -> verify -> commit/resync step for every sequence still running."""
+  proposal, dcache = propose(target, drafter, spec, st)
+  verdict, out = verify_tree(target, spec, st, proposal)
+  return commit(drafter, spec, st, proposal, dcache, verdict, out)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))

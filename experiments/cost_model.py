@@ -149,3 +149,41 @@ def measure(target, drafter=None, ar_drafter=None, *, num_paths: int = 5, contex
   if ar_drafter is not None:
     out["ar_draft_step_ms"] = ar_draft_cost(ar_drafter, context, repeats)
   return out
+
+
+def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, float]:
+  """ms of each phase of one decoding iteration at a real run's shapes (batch 1, the state right
+  after prefill): draft + tree build, target verification, commit + resync. Each phase is jitted
+  alone here, so the sum exceeds the fused loop's iteration time by the dispatch overheads."""
+  from cure_jax import decoding
+  from cure_jax.generation import prompt_bucket
+
+  max_len = generator.cache_len(len(prompt))
+  spec = generator.spec(max_len)
+  graphdef, params = generator.graphdef, generator.params
+  padded = np.zeros((1, prompt_bucket(len(prompt))), np.int32)
+  padded[0, :len(prompt)] = prompt
+  state = decoding.prefill(graphdef, params, jnp.asarray(padded), jnp.asarray([len(prompt)]),
+                           jax.random.key(0), spec=spec)
+
+  @jax.jit
+  def draft(params, st):
+    target, drafter = nnx.merge(graphdef, params)
+    return decoding.propose(target, drafter, spec, st)
+
+  @jax.jit
+  def verify(params, st, proposal):
+    target, _ = nnx.merge(graphdef, params)
+    return decoding.verify_tree(target, spec, st, proposal)
+
+  @jax.jit
+  def commit(params, st, proposal, dcache, verdict, out):
+    _, drafter = nnx.merge(graphdef, params)
+    return decoding.commit(drafter, spec, st, proposal, dcache, verdict, out)
+
+  proposal, dcache = draft(params, state)
+  verdict, out = verify(params, state, proposal)
+  return dict(draft_and_tree_ms=_time(draft, params, state, repeats=repeats),
+              verify_ms=_time(verify, params, state, proposal, repeats=repeats),
+              commit_and_resync_ms=_time(commit, params, state, proposal, dcache, verdict, out,
+                                         repeats=repeats))

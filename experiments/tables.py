@@ -705,7 +705,9 @@ def table_peers(bench: Bench) -> dict:
       rows += _peer_rows(bench, idx, runs)
     except ImportError as e:
       notes.append(f"peers skipped: {e}")
-  payload = dict(prompts=len(idx), rows=rows, notes=notes)
+  phases = {v.label: cost_model.phase_ms(_generator(bench, v), bench.ids[idx[0]])
+            for v in ours_v}
+  payload = dict(prompts=len(idx), rows=rows, notes=notes, phases_ms=phases)
   md = [f"## Peers on {len(idx)} prompts (same weights, same run, CPU)", "",
         md_table(["system", "τ", "tokens/s", "TPOT ms", "= our ar (prompts)"],
                  [[r["system"], _num(r["tau"]), _num(r["tokens_per_s"], ".1f"),
@@ -713,7 +715,11 @@ def table_peers(bench: Bench) -> dict:
                    "n/a" if r["equal_to_our_ar"] is None else f"{r['equal_to_our_ar']}/{len(idx)}"]
                   for r in rows]),
         "\ntokens/s excludes prefill for every system (transformers: generate time minus a "
-        "separately timed prefill forward)."]
+        "separately timed prefill forward).", "",
+        "Where one of our iterations goes (ms, batch 1, each phase jitted alone):", "",
+        md_table(["method", "draft + tree build", "verify", "commit + resync"],
+                 [[m, _num(p["draft_and_tree_ms"], ".2f"), _num(p["verify_ms"], ".2f"),
+                   _num(p["commit_and_resync_ms"], ".2f")] for m, p in phases.items()])]
   md += [f"\nNote: {n}" for n in notes]
   return write_outputs(bench, "peers", payload, "\n".join(md) + "\n")
 
