@@ -621,8 +621,13 @@ def table_sweep(bench: Bench, grid: dict = SWEEP_GRID, cost_context: int | None 
            "projected: speedup = τ·C_v(1) / (C_d + mean_t C_v(n_t)) from the measured cost "
            "curve (above); 'flat' assumes a GPU-like C_v(n) = C_v(1) for n <= 64 with the "
            "drafter priced at its measured cost relative to the target at equal token count"]
+  # Budget tuning: the cure setting the efficiency model favours on each cost curve.
+  best = {name: max((r for r in rows if r["cure"]), key=lambda r: r[name])
+          for name in ("projected_speedup_cpu_curve", "projected_speedup_flat_curve")}
+  tuned = {name: dict(variant=r["variant"], cure=r["cure"], projected_speedup=r[name])
+           for name, r in best.items()}
   payload = dict(prompts=len(idx), grid={n: list(v) for n, v in grid.items()}, rows=rows,
-                 costs=costs, notes=notes)
+                 costs=costs, notes=notes, tuned=tuned)
   out = Path(bench.results_dir)
   try:
     payload["figure"] = _plot_sweep(rows, curve, str(out / "sweep.png"))
@@ -640,7 +645,10 @@ def table_sweep(bench: Bench, grid: dict = SWEEP_GRID, cost_context: int | None 
         "", f"Measured cost curve on {costs['device']} (context {context} tokens): C_v(n) ms = " +
         ", ".join(f"{n}: {ms:.2f}" for n, ms in curve.items()) +
         "; C_d (DFlash pass, A blocks) ms = " +
-        ", ".join(f"A={a}: {ms:.2f}" for a, ms in costs["draft_ms"].items()) + "."]
+        ", ".join(f"A={a}: {ms:.2f}" for a, ms in costs["draft_ms"].items()) + ".", "",
+        "Budget tuning (argmax of the efficiency model over the sweep): " + "; ".join(
+            f"{name.replace('projected_speedup_', '').replace('_', ' ')}: {t['variant']} "
+            f"({t['projected_speedup']:.2f}×)" for name, t in tuned.items()) + "."]
   md += [f"\nNote: {n}" for n in notes]
   return write_outputs(bench, "sweep", payload, "\n".join(md) + "\n")
 

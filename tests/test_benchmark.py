@@ -152,6 +152,9 @@ def test_sweep(bench):
     assert np.isfinite(r["projected_speedup_cpu_curve"]) and r["projected_speedup_flat_curve"] > 0
   assert set(sw["costs"]["verify_ms"]) == {"1", "4", "8"}
   assert Path(sw["figure"]).stat().st_size > 0
+  cure_rows = [r for r in sw["rows"] if r["cure"]]
+  for curve in ("projected_speedup_cpu_curve", "projected_speedup_flat_curve"):
+    assert sw["tuned"][curve]["projected_speedup"] == max(r[curve] for r in cure_rows)
 
 
 def test_peers_without_hf_directories(bench):
@@ -159,3 +162,5 @@ def test_peers_without_hf_directories(bench):
   peers = _load(bench, "peers")
   assert [r["system"] for r in peers["rows"]] == ["cure_jax ar", "cure_jax chain", "cure_jax cure"]
   assert peers["notes"] and all(r["equal_to_our_ar"] == NUM_PROMPTS for r in peers["rows"])
+  assert set(peers["phases_ms"]) == {"ar", "chain", "cure"}
+  assert all(v > 0 for p in peers["phases_ms"].values() for v in p.values())
