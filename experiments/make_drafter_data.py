@@ -51,6 +51,8 @@ flags.DEFINE_integer("shard_batches", 4, "Generation batches per shard file.")
 flags.DEFINE_float("max_minutes", 50.0, "Stop starting new batches after this long.")
 flags.DEFINE_integer("max_prompts", 0, "Use at most this many prompts (0 = all).")
 flags.DEFINE_integer("seed", 0, "Prompt shuffle seed.")
+flags.DEFINE_list("prefer_src", [], "Generate prompts of these sources first (e.g. he,he_complete: "
+                  "the framing closest to the HumanEval evaluation prompts).")
 flags.DEFINE_bool("resume", True, "Skip prompts already covered by existing shards.")
 flags.DEFINE_enum("mode", "generate", ["generate", "text"],
                   "generate: the target's own continuations. text: teacher-forced chat-framed "
@@ -440,10 +442,15 @@ def main(argv):
     return next(b for b in buckets if n <= b)
   order = sorted(range(len(todo)), key=lambda k: len(todo[k][1]))
   batches = []
-  for b in buckets:
-    grp = [k for k in order if bucket_of(len(todo[k][1])) == b]
-    batches += [grp[k:k + bs] for k in range(0, len(grp), bs)]
-  random.Random(FLAGS.seed).shuffle(batches)
+  preferred = set(FLAGS.prefer_src)
+  for first in ((True, False) if preferred else (False,)):
+    tier = []
+    for b in buckets:
+      grp = [k for k in order if bucket_of(len(todo[k][1])) == b and
+             (not preferred or (todo[k][0]["src"] in preferred) == first)]
+      tier += [grp[k:k + bs] for k in range(0, len(grp), bs)]
+    random.Random(FLAGS.seed).shuffle(tier)
+    batches += tier
   # A short last batch would compile another executable; pad it with repeats.
   seqs, feats, greedys = [], [], []
   gen_tokens = gen_s = 0.0

@@ -69,6 +69,8 @@ flags.DEFINE_integer("eval_stride", 3, "Evaluate every n-th continuation anchor.
 flags.DEFINE_integer("log_every", 10, "Steps between log lines.")
 flags.DEFINE_integer("seed", 0, "Seed (init and batch sampling).")
 flags.DEFINE_integer("split_seed", 0, "Seed of the held-out split (keep it when resuming).")
+flags.DEFINE_string("eval_uids", None, "JSON file {eval_uids: [...]}: held-out sequences by prompt "
+                    "uid (overrides the seeded split; keeps it fixed when the data grows).")
 flags.DEFINE_string("resume", None, "Start from this HF DFlash directory instead of the target.")
 flags.DEFINE_string("measure", None, "Skip training: measure chain / cure tau of this DFlash "
                     "directory on HumanEval prompts 0-19 (float32, greedy, chat template).")
@@ -89,9 +91,9 @@ _LEN_BUCKET = 128
 class Data:
   """All shards of one or more data folders in memory (features float16)."""
 
-  def __init__(self, folders: list[str], eval_seqs: int, seed: int):
+  def __init__(self, folders: list[str], eval_seqs: int, seed: int, eval_uids=None):
     self.meta = json.load(open(os.path.join(folders[0], "meta.json")))
-    toks, feats, greedy, offs, plens, gen = [], [], [], [], [], []
+    toks, feats, greedy, offs, plens, gen, uids = [], [], [], [], [], [], []
     base = 0
     for folder in folders:
       meta = json.load(open(os.path.join(folder, "meta.json")))
@@ -107,6 +109,7 @@ class Data:
           greedy.append(z["greedy"])
           offs.append(z["offsets"][:-1] + base)
           plens.append(z["prompt_lens"])
+          uids.append(z["uids"])
           gen.append(np.full(len(z["prompt_lens"]), generated))
           base += len(z["tokens"])
       print(f"data: {folder}: {len(paths)} shards", flush=True)
@@ -121,10 +124,14 @@ class Data:
     self.ends = np.append(self.starts[1:], len(self.tokens))
     self.prompt_lens = np.concatenate(plens)
     self.generated = np.concatenate(gen)
+    self.uids = np.concatenate(uids)
     n = len(self.starts)
-    rng = np.random.default_rng(seed)
     gen_idx = np.flatnonzero(self.generated)
-    self.eval_idx = np.sort(rng.permutation(gen_idx)[:eval_seqs])
+    if eval_uids is not None:  # a fixed held-out set, e.g. across data that grew since
+      self.eval_idx = np.flatnonzero(self.generated & np.isin(self.uids, eval_uids))
+    else:
+      rng = np.random.default_rng(seed)
+      self.eval_idx = np.sort(rng.permutation(gen_idx)[:eval_seqs])
     self.train_idx = np.setdiff1d(np.arange(n), self.eval_idx)
     lens = self.ends - self.starts
     self.cont = lens - self.prompt_lens
@@ -443,7 +450,11 @@ def main(argv):
   t_start = time.time()
   target_dir = FLAGS.target or default_model.smollm2_dir()
   target = load_target(target_dir, jnp.float32, progress=False)
-  data = Data(FLAGS.data, FLAGS.eval_seqs, FLAGS.split_seed)
+  eval_uids = (json.load(open(FLAGS.eval_uids))["eval_uids"] if FLAGS.eval_uids else None)
+  data = Data(FLAGS.data, FLAGS.eval_seqs, FLAGS.split_seed, eval_uids)
+  json.dump(dict(eval_uids=[int(u) for u in data.uids[data.eval_idx]]),
+            open(os.path.join(os.path.dirname(os.path.abspath(FLAGS.out)),
+                              os.path.basename(FLAGS.out) + ".eval_uids.json"), "w"))
   layer_ids = data.meta["target_layer_ids"]
   feature_layers = [i + 1 for i in layer_ids]
   k = FLAGS.block_size
