@@ -8,6 +8,7 @@
   python -m experiments.benchmark --table=sweep --num_prompts=16        # grids + cost model
   python -m experiments.benchmark --table=peers --num_prompts=8         # transformers, dflash
   python -m experiments.benchmark --table=all --results=results/
+  python -m experiments.benchmark --table=1,3,diagnostic,5 --config.batch_size=8 --num_prompts=0
 
 Default config: configs/smollm2_135m.py (SmolLM2-135M target, its DFlash drafter, HumanEval).
 Every config field is a flag (--config.max_new_tokens=64, --config.cure.tau_margin=2.0, ...).
@@ -26,7 +27,8 @@ from experiments import tables
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file")
-_TABLE = flags.DEFINE_enum("table", "1", list(tables.TABLES) + ["all"], "which table to run")
+_TABLE = flags.DEFINE_string("table", "1", f"table to run: {', '.join(tables.TABLES)}, a "
+                             "comma-separated list (sharing decodes) or all")
 _RESULTS = flags.DEFINE_string("results", "results", "output folder")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "first N prompts (default: "
                                     "config.num_prompts, 0 = all)")
@@ -62,6 +64,10 @@ def _ar_drafter(config, target):
 
 def main(argv):
   del argv
+  bad = [n for n in _TABLE.value.split(",") if n.strip() not in tables.TABLES + ("all",)]
+  if bad:
+    raise app.UsageError(f"--table={_TABLE.value!r}: unknown {bad}; choose from "
+                         f"{', '.join(tables.TABLES)} (comma-separated) or all")
   config = _CONFIG.value
   with config.unlocked():
     if _NUM_PROMPTS.value is not None:

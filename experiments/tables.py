@@ -126,16 +126,27 @@ def run_variants(bench: Bench, variants: Sequence[Variant], indices: Sequence[in
   """
   todo = list({bench.key(v): v for v in variants
                if any(i not in bench.runs.get(bench.key(v), {}) for i in indices)}.values())
+  batches = prompt_batches(bench, indices)
   for v in todo:
     gen = _generator(bench, v)
     if bench.warmup and indices:  # compile + one untimed decode
-      gen.generate([bench.ids[indices[0]]])
-  for i in _progress(indices, desc, bench):
+      gen.generate([bench.ids[i] for i in batches[0]])
+  for chunk in _progress(batches, desc, bench):
     for v in todo:
       store = bench.runs.setdefault(bench.key(v), {})
-      if i not in store:
-        store[i] = _generator(bench, v).generate([bench.ids[i]])[0]
+      if any(i not in store for i in chunk):
+        results = _generator(bench, v).generate([bench.ids[i] for i in chunk])
+        for i, r in zip(chunk, results):  # each sequence owns its share of the batch's time
+          store[i] = dataclasses.replace(r, decode_s=r.decode_s / len(chunk))
   return {v.label: [bench.runs[bench.key(v)][i] for i in indices] for v in variants}
+
+
+def prompt_batches(bench: Bench, indices: Sequence[int]) -> list[list[int]]:
+  """config.batch_size prompts per decode call, grouped by length so that a batch pads little
+  (batch 1: the given order)."""
+  size = max(int(bench.config.get("batch_size", 1)), 1)
+  order = sorted(indices, key=lambda i: len(bench.ids[i])) if size > 1 else list(indices)
+  return [order[j:j + size] for j in range(0, len(order), size)]
 
 
 def compile_seconds(bench: Bench, variant: Variant) -> float:
@@ -318,7 +329,8 @@ def table1(bench: Bench) -> dict:
   payload = dict(prompts=len(idx), rows=rows, per_prompt=per_prompt, notes=notes, **extra,
                  paper=PAPER["table1_humaneval"])
   md = [f"## Table 1: methods on the same {len(idx)} prompts, one process "
-        f"(max_new_tokens={bench.config.max_new_tokens}, {bench.config.dtype})", "",
+        f"(max_new_tokens={bench.config.max_new_tokens}, {bench.config.dtype}, "
+        f"batch {bench.config.batch_size}; TPOT = decode wall time / tokens after the first)", "",
         md_table(["method", "τ", "TPOT ms", "speedup vs ar", "tokens/s", "nodes/iter",
                   "≠ ar (prompts)", "compile s"],
                  [[r["method"], _num(r["tau"]), _num(r["tpot_ms"], ".2f"),
@@ -800,11 +812,12 @@ def _peer_rows(bench: Bench, idx: Sequence[int], ours: dict) -> list[dict]:
 # ----------------------------------------------------------------------------- dispatch
 
 def run_tables(bench: Bench, which: str, **kwargs) -> dict:
-  """Runs one table ('1', '3', '4', '5', 'diagnostic', 'sweep', 'peers') or 'all'."""
+  """Runs tables named in `which`: one of '1', '3', '4', '5', 'diagnostic', 'sweep', 'peers', a
+  comma-separated list of them (decodes are shared), or 'all'."""
   fns = {"1": table1, "3": lambda b: table3(b, execute=kwargs.get("execute", True)),
          "4": table4, "5": lambda b: table5(b, tau=kwargs.get("scorer_tau")),
          "diagnostic": diagnostic, "sweep": table_sweep, "peers": table_peers}
-  names = list(TABLES) if which == "all" else [which]
+  names = list(TABLES) if which == "all" else [n.strip() for n in which.split(",")]
   bad = [n for n in names if n not in fns]
   if bad:
     raise ValueError(f"--table={which!r}: choose one of {', '.join(TABLES)} or all")

@@ -164,3 +164,26 @@ def test_peers_without_hf_directories(bench):
   assert peers["notes"] and all(r["equal_to_our_ar"] == NUM_PROMPTS for r in peers["rows"])
   assert set(peers["phases_ms"]) == {"ar", "chain", "cure"}
   assert all(v > 0 for p in peers["phases_ms"].values() for v in p.values())
+
+
+def test_batched_runs_match_batch1(bench):
+  """--config.batch_size: prompts decoded together (grouped by length) give each prompt its
+  batch-1 tokens, and the batch's wall time is split so that totals are not counted twice."""
+  import copy
+  config = copy.deepcopy(bench.config)
+  config.batch_size = 3
+  batched = tables.Bench(config=config, target=bench.target, drafter=bench.drafter,
+                         rows=bench.rows, ids=bench.ids, results_dir=bench.results_dir,
+                         progress=False, warmup=False, echo=lambda s: None)
+  chunks = tables.prompt_batches(batched, list(range(NUM_PROMPTS)))
+  assert sorted(i for c in chunks for i in c) == list(range(NUM_PROMPTS))
+  assert [len(c) for c in chunks] == [3, 1]
+  variant = tables.Variant.of("cure", "cure")
+  one = tables.run_variants(bench, [variant], list(range(NUM_PROMPTS)))["cure"]
+  many = tables.run_variants(batched, [variant], list(range(NUM_PROMPTS)))["cure"]
+  assert [r.output_ids for r in many] == [r.output_ids for r in one]
+  first = chunks[0]
+  shares = [many[i].decode_s for i in first]
+  assert shares == pytest.approx([shares[0]] * 3)
+  assert many[first[0]].tpot_ms == pytest.approx(
+      1000 * 3 * shares[0] / (len(many[first[0]].output_ids) - 1))
