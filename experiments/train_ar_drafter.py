@@ -40,10 +40,12 @@ FLAGS = flags.FLAGS
 # experiments.train_drafter defines data, eval_uids, target, export, num_layers, vocab_subset, lr,
 # weight_decay, warmup, max_minutes, log_every and seed; these are this script's defaults.
 for _name, _value in dict(eval_uids="runs/drafter_eval_uids.json",
-                          export="cure_jax/assets/smollm2_ar_drafter", lr=1e-3, warmup=20,
+                          export="cure_jax/assets/smollm2_ar_drafter", lr=2e-3, warmup=20,
                           max_minutes=12.0).items():
   FLAGS.set_default(_name, _value)
-flags.DEFINE_list("init_layers", ["0", "29"], "Target layer copied into each drafter layer.")
+flags.DEFINE_list("init_layers", ["0", "1"], "Target layer copied into each drafter layer (the "
+                  "bottom layers: with a top layer, e.g. 0,29, the drafter starts at 0% agreement "
+                  "and learns several times slower).")
 flags.DEFINE_integer("seq_len", 512, "Packed row length (longer sequences are cropped).")
 flags.DEFINE_integer("rows_per_step", 4, "Packed rows per step.")
 flags.DEFINE_integer("draft_len", 4, "Drafted tokens per iteration (gamma) of the teacher-forced "
