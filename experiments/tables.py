@@ -206,9 +206,12 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 
 def environment() -> dict:
+  import resource
+
   import jax
   return dict(jax=jax.__version__, device=str(jax.devices()[0]), cpus=os.cpu_count(),
-              load_average=list(os.getloadavg()), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+              load_average=list(os.getloadavg()), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+              peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 # ----------------------------------------------------------------------------- output
