@@ -178,6 +178,8 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
   tmp.mkdir()
   try:
     yield tmp
+    for path in [tmp, *tmp.rglob("*")]:  # some writers create 0600 files; publish like cp would
+      path.chmod(0o755 if path.is_dir() else 0o644)
     os.replace(tmp, dest)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
