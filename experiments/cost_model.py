@@ -187,3 +187,46 @@ def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, fl
               verify_ms=_time(verify, params, state, proposal, repeats=repeats),
               commit_and_resync_ms=_time(commit, params, state, proposal, dcache, verdict, out,
                                          repeats=repeats))
+
+
+def machine_peaks(size: int = 2048, copy_mib: int = 256, repeats: int = 5) -> dict[str, float]:
+  """Best-of-`repeats` float32 matmul GFLOP/s and array-copy GB/s (read + write) here."""
+  a = jnp.ones((size, size), jnp.float32)
+  x = jnp.ones((copy_mib * 2**20 // 4,), jnp.float32)
+  matmul_ms = _time(jax.jit(lambda a: a @ a), a, repeats=repeats)
+  copy_ms = _time(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
+  return dict(gflops=2 * size**3 / matmul_ms / 1e6, gbytes_per_s=2 * x.nbytes / copy_ms / 1e6)
+
+
+def _param_count(module) -> int:
+  return sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def floors_ms(target, drafter, peaks: dict, nodes: dict[str, float], repair_paths: int = 0,
+              bytes_per_param: int = 4) -> dict[str, dict[str, float]]:
+  """Roofline floor (ms) of each phase of one iteration per method: the larger of its FLOPs at
+  peak matmul speed and its weight bytes at copy speed (activations and caches are small here).
+
+  nodes: method -> mean verified nodes per iteration. The target costs 2 FLOPs per parameter per
+  token outside the embedding plus the vocabulary head per node; a DFlash pass costs its layers
+  per block token and the head per drafted position (repair paths: one more pass each).
+  """
+  h, vocab = target.cfg.hidden_size, target.cfg.vocab_size
+  head = vocab * h
+  body = _param_count(target) - head * (1 if target.cfg.tie_embeddings else 2)
+
+  def floor(flops, params):
+    return 1000 * max(flops / (peaks["gflops"] * 1e9),
+                      params * bytes_per_param / (peaks["gbytes_per_s"] * 1e9))
+
+  out = {}
+  for method, n in nodes.items():
+    verify = floor(2 * n * (body + head), body + head)
+    draft = 0.0
+    if method in ("chain", "cure") and drafter is not None:
+      k = drafter.cfg.block_size
+      blocks = 1 + (repair_paths if method == "cure" else 0)
+      layers = _param_count(drafter.layers)  # fc / hidden_norm run once per committed token
+      draft = floor(2 * blocks * (k * layers + (k - 1) * head), _param_count(drafter) + head)
+    out[method] = dict(draft_ms=draft, verify_ms=verify, total_ms=draft + verify)
+  return out

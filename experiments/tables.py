@@ -730,7 +730,15 @@ def table_peers(bench: Bench) -> dict:
       notes.append(f"peers skipped: {e}")
   phases = {v.label: cost_model.phase_ms(_generator(bench, v), bench.ids[idx[0]])
             for v in ours_v}
-  payload = dict(prompts=len(idx), rows=rows, notes=notes, phases_ms=phases)
+  sums = {v.label: summarize(runs[v.label]) for v in ours_v}
+  peaks = cost_model.machine_peaks()
+  paths = sums["cure"]["gate_rate"] * _generator(bench, ours_v[2]).cure.num_paths
+  floors = cost_model.floors_ms(bench.target, bench.drafter, peaks,
+                                {m: max(s["nodes_verified"], 1.0) for m, s in sums.items()},
+                                repair_paths=paths)
+  iteration = {m: s["tpot_ms"] * max(s["tau"], 1.0) for m, s in sums.items()}
+  payload = dict(prompts=len(idx), rows=rows, notes=notes, phases_ms=phases, peaks=peaks,
+                 floors_ms=floors, iteration_ms=iteration)
   md = [f"## Peers on {len(idx)} prompts (same weights, same run, CPU)", "",
         md_table(["system", "τ", "tokens/s", "TPOT ms", "= our ar (prompts)"],
                  [[r["system"], _num(r["tau"]), _num(r["tokens_per_s"], ".1f"),
@@ -742,7 +750,17 @@ def table_peers(bench: Bench) -> dict:
         "Where one of our iterations goes (ms, batch 1, each phase jitted alone):", "",
         md_table(["method", "draft + tree build", "verify", "commit + resync"],
                  [[m, _num(p["draft_and_tree_ms"], ".2f"), _num(p["verify_ms"], ".2f"),
-                   _num(p["commit_and_resync_ms"], ".2f")] for m, p in phases.items()])]
+                   _num(p["commit_and_resync_ms"], ".2f")] for m, p in phases.items()]),
+        "", f"Against the roofline floor of this machine (measured here: "
+        f"{peaks['gflops']:.0f} GFLOP/s float32 matmul, {peaks['gbytes_per_s']:.1f} GB/s copy; "
+        "floor = max(FLOPs at that peak, weight bytes at that bandwidth), mean nodes per "
+        "iteration from the runs above):", "",
+        md_table(["method", "nodes/iter", "draft floor", "verify floor", "iteration floor",
+                  "iteration measured (TPOT × τ)", "floor / measured"],
+                 [[m, _num(sums[m]["nodes_verified"], ".1f"), _num(f["draft_ms"], ".2f"),
+                   _num(f["verify_ms"], ".2f"), _num(f["total_ms"], ".2f"),
+                   _num(iteration[m], ".2f"), _num(f["total_ms"] / iteration[m], ".2f")]
+                  for m, f in floors.items()])]
   md += [f"\nNote: {n}" for n in notes]
   return write_outputs(bench, "peers", payload, "\n".join(md) + "\n")
 

@@ -164,6 +164,9 @@ def test_peers_without_hf_directories(bench):
   assert peers["notes"] and all(r["equal_to_our_ar"] == NUM_PROMPTS for r in peers["rows"])
   assert set(peers["phases_ms"]) == {"ar", "chain", "cure"}
   assert all(v > 0 for p in peers["phases_ms"].values() for v in p.values())
+  assert peers["peaks"]["gflops"] > 0 and peers["peaks"]["gbytes_per_s"] > 0
+  assert set(peers["floors_ms"]) == {"ar", "chain", "cure"}
+  assert peers["floors_ms"]["ar"]["draft_ms"] == 0 < peers["floors_ms"]["chain"]["draft_ms"]
 
 
 def test_batched_runs_match_batch1(bench):
@@ -187,3 +190,26 @@ def test_batched_runs_match_batch1(bench):
   assert shares == pytest.approx([shares[0]] * 3)
   assert many[first[0]].tpot_ms == pytest.approx(
       1000 * 3 * shares[0] / (len(many[first[0]].output_ids) - 1))
+
+
+def test_roofline_floors(bench):
+  """The floor is the larger of FLOPs at peak and weight bytes at bandwidth: the target reads
+  each parameter once (4 bytes in float32) and spends 2 FLOPs per parameter per node, except an
+  untied input embedding, of which only the gathered rows are touched."""
+  from flax import nnx
+  from experiments import cost_model
+  target, drafter = bench.target, bench.drafter
+  params = sum(x.size for x in __import__("jax").tree.leaves(nnx.state(target, nnx.Param)))
+  embed = target.cfg.vocab_size * target.cfg.hidden_size
+  params -= 0 if target.cfg.tie_embeddings else embed
+  memory_bound = dict(gflops=1e9, gbytes_per_s=1.0)
+  compute_bound = dict(gflops=1.0, gbytes_per_s=1e9)
+  f = cost_model.floors_ms(target, drafter, memory_bound, {"ar": 1, "chain": 8})
+  assert f["ar"]["verify_ms"] == pytest.approx(1000 * 4 * params / 1e9)
+  assert f["chain"]["verify_ms"] == pytest.approx(f["ar"]["verify_ms"])  # weights read once
+  f = cost_model.floors_ms(target, drafter, compute_bound, {"ar": 1, "chain": 8, "cure": 8},
+                           repair_paths=2)
+  assert f["ar"]["verify_ms"] == pytest.approx(1000 * 2 * params / 1e9)
+  assert f["chain"]["verify_ms"] == pytest.approx(8 * f["ar"]["verify_ms"])
+  assert f["cure"]["draft_ms"] == pytest.approx(3 * f["chain"]["draft_ms"])
+  assert f["chain"]["draft_ms"] > 2 * (drafter.cfg.block_size - 1) * embed / 1e6
