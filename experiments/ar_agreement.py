@@ -2,6 +2,7 @@
 
   python -m experiments.benchmark --table=1 --num_prompts=0 --results=results/full   # ours
   python -m experiments.ar_agreement --ours=results/full/raw/ar.json --results=results/full
+  (the reference half can run first, alone: python -m experiments.ar_agreement --results=...)
 
 Reads our outputs from a Table 1 run (`raw/ar.json`, same config and prompts), decodes the same
 prompt ids with transformers (torch float32, greedy, same stop tokens and max_new_tokens) and,
@@ -23,7 +24,9 @@ from experiments import tables
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file (target, prompts)")
-_OURS = flags.DEFINE_string("ours", None, "raw/ar.json of our Table 1 run", required=True)
+_OURS = flags.DEFINE_string("ours", None, "raw/ar.json of our Table 1 run; without it only the "
+                            "reference outputs are generated and cached (first --num_prompts)")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 0, "without --ours: first N prompts (0 = all)")
 _RESULTS = flags.DEFINE_string("results", "results", "output folder")
 _THREADS = flags.DEFINE_integer("threads", 0, "torch threads (0: torch's default)")
 
@@ -87,12 +90,15 @@ def markdown(result: dict, max_new: int) -> str:
 def main(argv):
   del argv
   config = _CONFIG.value
-  ours_rows = json.loads(Path(_OURS.value).read_text())
+  ours_rows = json.loads(Path(_OURS.value).read_text()) if _OURS.value else None
   pipeline.resolve_paths(config)
   tokenizer = pipeline.load_tokenizer(config.target.path)
   rows = (prompts_lib.read_jsonl(config.prompts) if config.prompts
           else prompts_lib.humaneval_prompts())
-  index = [r["prompt_index"] for r in ours_rows]
+  if ours_rows is None:
+    index = list(range(min(_NUM_PROMPTS.value or len(rows), len(rows))))
+  else:
+    index = [r["prompt_index"] for r in ours_rows]
   if max(index) >= len(rows):
     raise ValueError(f"{_OURS.value} has prompt_index {max(index)} but the config's prompt set "
                      f"has {len(rows)} prompts; pass the --config used for that run")
@@ -102,6 +108,9 @@ def main(argv):
   ref = reference_outputs(config.target.path, ids, max_new,
                           pipeline.stop_ids(config.target.path, tokenizer),
                           Path(_RESULTS.value) / "ar_reference.json")
+  if ours_rows is None:
+    print(f"reference outputs for {len(ids)} prompts in {_RESULTS.value}/ar_reference.json")
+    return
   result = compare([r["output_ids"] for r in ours_rows], ref)
   result.update(max_new_tokens=max_new, reference_seconds=ref["seconds"], ours=_OURS.value)
   pipeline.write_json(str(Path(_RESULTS.value) / "ar_agreement.json"), result)
