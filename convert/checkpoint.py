@@ -11,14 +11,16 @@ every folder this module writes appears complete at its destination or not at al
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can return it)
 import numpy as np
 import orbax.checkpoint as ocp
@@ -278,6 +280,75 @@ def export_hf(state: nnx.State, out_dir: str | os.PathLike, name_of: NameOf, con
     if aux_from is not None:
       copy_aux_files(aux_from, tmp)
   return Path(out_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What differs between kinds of checkpoint (target model, drafter); the rest is shared.
+
+  build(config dict, dtype) makes the module; read_names(hf_dir, config dict) gives the HF name
+  of each state path in that directory and the stored tensors to ignore; write_names names them
+  on export.
+  """
+
+  kind: str                                          # stored in cure_jax.json
+  module: str                                        # `python -m <module>` writes checkpoints
+  source: str                                        # what to pass instead, for error messages
+  build: Callable[[dict, Any], nnx.Module]
+  read_names: Callable[[Path, dict], tuple[NameOf, tuple[str, ...]]]
+  write_names: NameOf
+
+
+def read_state(family: Family, path: str | os.PathLike, dtype, progress: bool, placement=None,
+               check: Callable[[dict], None] | None = None):
+  """(config dict, graphdef, state) of an HF directory or a converted checkpoint at `path`.
+
+  `check(config)` runs before any weight is read; `placement` (cure_jax.sharding.placement(mesh))
+  puts each tensor straight onto its devices.
+  """
+  path = Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"{path} does not exist; pass {family.source} or a checkpoint written "
+                            f"by `python -m {family.module}`.")
+  meta = read_metadata(path)
+  if meta is not None and meta.get("kind") != family.kind:
+    raise ValueError(f"{path} holds a converted {meta.get('kind')!r} checkpoint, not a "
+                     f"{family.kind!r}; pass {family.source}.")
+  config = read_hf_config(path)
+  if check is not None:
+    check(config)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: family.build(config, jnp.dtype(dtype))))
+  if meta is not None:
+    if placement is not None:  # restore each leaf straight into its sharding
+      abstract = placement.annotate(abstract)
+    return config, graphdef, load_checkpoint(abstract, path)
+  name_of, ignore = family.read_names(path, config)
+  state = stream_params(abstract, path, name_of, jnp.dtype(dtype), progress, ignore=ignore,
+                        placement=placement)
+  return config, graphdef, state
+
+
+def load(family: Family, path, dtype, progress: bool = True, placement=None, check=None):
+  """The module from an HF directory (converted while loading) or a converted checkpoint."""
+  _, graphdef, state = read_state(family, path, dtype, progress, placement, check)
+  return nnx.merge(graphdef, state)
+
+
+def convert(family: Family, hf_dir, out_dir, dtype, progress: bool = True) -> Path:
+  """An HF directory -> an orbax checkpoint folder at out_dir (written atomically)."""
+  config, _, state = read_state(family, hf_dir, dtype, progress)
+  return save_checkpoint(state, out_dir, config, family.kind, aux_from=hf_dir)
+
+
+def export(family: Family, ckpt_dir, out_dir, dtype=None, num_shards: int = 1) -> Path:
+  """A converted checkpoint -> an HF directory (in its stored dtype by default)."""
+  meta = read_metadata(ckpt_dir)
+  if meta is None:
+    raise ValueError(f"{ckpt_dir} has no {METADATA}, so it is not a checkpoint written by "
+                     f"`python -m {family.module}`; an HF directory needs no export.")
+  config, _, state = read_state(family, ckpt_dir, meta["dtype"] if dtype is None else dtype, False)
+  return export_hf(state, out_dir, family.write_names, config, aux_from=ckpt_dir,
+                   num_shards=num_shards)
 
 
 def run_cli(what: str, convert_hf, export_hf) -> None:
