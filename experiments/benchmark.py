@@ -6,6 +6,7 @@
   python -m experiments.benchmark --table=5 --scorer_tau=2.0            # offline repair scorer
   python -m experiments.benchmark --table=diagnostic                    # margin diagnostic
   python -m experiments.benchmark --table=sweep --num_prompts=16        # grids + cost model
+  python -m experiments.benchmark --table=sweep --sweep_factors=select  # the gate rules only
   python -m experiments.benchmark --table=peers --num_prompts=8         # transformers, dflash
   python -m experiments.benchmark --table=all --results=results/
   python -m experiments.benchmark --table=1,3,diagnostic,5 --config.batch_size=8 --num_prompts=0
@@ -39,6 +40,8 @@ _AR_DRAFTER = flags.DEFINE_string("ar_drafter", "embedded:smollm2_ar_drafter",
                                   "'' to skip")
 _SCORER_TAU = flags.DEFINE_float("scorer_tau", None, "table 5: gate threshold of the cure run "
                                  "(default config.cure.tau_margin)")
+_SWEEP_FACTORS = flags.DEFINE_multi_enum("sweep_factors", None, list(tables.SWEEP_GRID),
+                                         "sweep: the factors to vary (default: all)")
 _EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")
 _WARMUP = flags.DEFINE_bool("warmup", True, "decode one prompt per variant before timing")
 _PROGRESS = flags.DEFINE_bool("progress", True, "tqdm progress bars")
@@ -94,7 +97,8 @@ def main(argv):
                        results_dir=_RESULTS.value, ar_drafter=ar_drafter, ar_drafter_note=note,
                        target_dir=target_dir, drafter_dir=drafter_dir, warmup=_WARMUP.value,
                        progress=_PROGRESS.value)
-  tables.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value)
+  tables.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value,
+                    sweep_factors=_SWEEP_FACTORS.value)
   print(f"results in {Path(_RESULTS.value).resolve()}")
 
 

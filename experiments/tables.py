@@ -837,7 +837,9 @@ def run_tables(bench: Bench, which: str, **kwargs) -> dict:
   comma-separated list of them (decodes are shared), or 'all'."""
   fns = {"1": table1, "3": lambda b: table3(b, execute=kwargs.get("execute", True)),
          "4": table4, "5": lambda b: table5(b, tau=kwargs.get("scorer_tau")),
-         "diagnostic": diagnostic, "sweep": table_sweep, "peers": table_peers}
+         "diagnostic": diagnostic, "peers": table_peers,
+         "sweep": lambda b: table_sweep(b, {f: SWEEP_GRID[f] for f in
+                                            kwargs.get("sweep_factors") or SWEEP_GRID})}
   names = list(TABLES) if which == "all" else [n.strip() for n in which.split(",")]
   bad = [n for n in names if n not in fns]
   if bad:
