@@ -42,6 +42,13 @@ _SCORER_TAU = flags.DEFINE_float("scorer_tau", None, "table 5: gate threshold of
                                  "(default config.cure.tau_margin)")
 _SWEEP_FACTORS = flags.DEFINE_multi_enum("sweep_factors", None, list(tables.SWEEP_GRID),
                                          "sweep: the factors to vary (default: all)")
+_TABLE4_PROBLEMS = flags.DEFINE_integer("table4_problems", tables.TABLE4_PROBLEMS,
+                                        "table 4: the first N problems")
+_TABLE4_ABLATIONS = flags.DEFINE_multi_enum(
+    "table4_ablations", None, [v.label for v in tables.TABLE4_VARIANTS[1:]],
+    "table 4: the ablations to run (default: all)")
+_REUSE_RAW = flags.DEFINE_string("reuse_raw", None, "raw/ folder of an earlier run with the same "
+                                 "config: variants found there are not decoded again")
 _EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")
 _WARMUP = flags.DEFINE_bool("warmup", True, "decode one prompt per variant before timing")
 _PROGRESS = flags.DEFINE_bool("progress", True, "tqdm progress bars")
@@ -96,9 +103,10 @@ def main(argv):
                        tokenizer=tokenizer, stops=pipeline.stop_ids(config.target.path, tokenizer),
                        results_dir=_RESULTS.value, ar_drafter=ar_drafter, ar_drafter_note=note,
                        target_dir=target_dir, drafter_dir=drafter_dir, warmup=_WARMUP.value,
-                       progress=_PROGRESS.value)
+                       progress=_PROGRESS.value, reuse_raw=_REUSE_RAW.value)
   tables.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value,
-                    sweep_factors=_SWEEP_FACTORS.value)
+                    sweep_factors=_SWEEP_FACTORS.value, table4_problems=_TABLE4_PROBLEMS.value,
+                    table4_ablations=_TABLE4_ABLATIONS.value)
   print(f"results in {Path(_RESULTS.value).resolve()}")
 
 

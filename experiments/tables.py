@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import hashlib
 import io
+import json
 import os
 import re
 import signal
@@ -33,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from cure_jax import diagnostics, pipeline, scorer
+from cure_jax.generation import Result
 from experiments import cost_model
 
 TABLES = ("1", "3", "4", "5", "diagnostic", "sweep", "peers")
@@ -85,6 +87,7 @@ class Bench:
   warmup: bool = True                  # decode the first prompt once per variant before timing
   progress: bool = True
   echo: Callable[[str], None] = print
+  reuse_raw: str | None = None         # a raw/ folder of an earlier run with the same config
   runs: dict = dataclasses.field(default_factory=dict)        # cache key -> {index: Result}
   generators: dict = dataclasses.field(default_factory=dict)  # cache key -> Generator
 
@@ -124,6 +127,8 @@ def run_variants(bench: Bench, variants: Sequence[Variant], indices: Sequence[in
 
   Returns label -> list of Results in `indices` order.
   """
+  for v in variants:
+    _load_raw(bench, v)
   todo = list({bench.key(v): v for v in variants
                if any(i not in bench.runs.get(bench.key(v), {}) for i in indices)}.values())
   batches = prompt_batches(bench, indices)
@@ -139,6 +144,20 @@ def run_variants(bench: Bench, variants: Sequence[Variant], indices: Sequence[in
         for i, r in zip(chunk, results):  # each sequence owns its share of the batch's time
           store[i] = dataclasses.replace(r, decode_s=r.decode_s / len(chunk))
   return {v.label: [bench.runs[bench.key(v)][i] for i in indices] for v in variants}
+
+
+def _load_raw(bench: Bench, variant: Variant) -> None:
+  """Takes the variant's per-prompt results from bench.reuse_raw/<label>.json when it exists
+  (written by `write_raw` in an earlier run of the same config), so that only the rest decode."""
+  if not bench.reuse_raw:
+    return
+  path = Path(bench.reuse_raw) / f"{_raw_name(variant.label)}.json"
+  if not path.is_file():
+    return
+  fields = {f.name for f in dataclasses.fields(Result)}
+  store = bench.runs.setdefault(bench.key(variant), {})
+  for row in json.loads(path.read_text()):
+    store.setdefault(row["prompt_index"], Result(**{k: row[k] for k in fields}))
 
 
 def prompt_batches(bench: Bench, indices: Sequence[int]) -> list[list[int]]:
@@ -266,10 +285,13 @@ def write_outputs(bench: Bench, name: str, payload: dict, md: str) -> dict:
   return payload
 
 
+def _raw_name(label: str) -> str:
+  return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+
+
 def write_raw(bench: Bench, label: str, results: Sequence, indices: Sequence[int]) -> str:
   """Per-prompt results (ids, accept lengths, per-iteration stats) of one variant."""
-  safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
-  path = Path(bench.results_dir) / "raw" / f"{safe}.json"
+  path = Path(bench.results_dir) / "raw" / f"{_raw_name(label)}.json"
   rows = []
   for i, r in zip(indices, results):
     row = dataclasses.asdict(r)
@@ -481,9 +503,12 @@ def table4(bench: Bench, problems: int = TABLE4_PROBLEMS,
            ablations: Sequence[Variant] = TABLE4_VARIANTS[1:]) -> dict:
   """Ablations on a fixed subset (the first `problems` prompts): branch 0 and resync."""
   idx = _indices(bench, problems)
-  variants = [Variant.of("ar", "ar"), Variant.of("chain", "chain"), TABLE4_VARIANTS[0]]
-  variants += list(ablations)
-  runs = run_variants(bench, variants, idx, "table 4")
+  refs = [Variant.of("ar", "ar"), Variant.of("chain", "chain"), TABLE4_VARIANTS[0]]
+  variants = refs + list(ablations)
+  runs = run_variants(bench, ablations, idx, "table 4 (ablations)")
+  for v in ablations:  # kept at once: reusable (--reuse_raw) if the references come later
+    write_raw(bench, v.label, runs[v.label], idx)
+  runs.update(run_variants(bench, refs, idx, "table 4"))
   ar_tpot = summarize(runs["ar"])["tpot_ms"]
   chain_tpot = summarize(runs["chain"])["tpot_ms"]
   base = summarize(runs["cure"])
@@ -496,8 +521,6 @@ def table4(bench: Bench, problems: int = TABLE4_PROBLEMS,
     if v.label == "ar":
       s.update(mismatches_vs_ar=0)
     rows.append(s)
-    if v.method == "cure":
-      write_raw(bench, f"table4_{v.label}", runs[v.label], idx)
   payload = dict(problems=len(idx), rows=rows, paper=PAPER["table4"],
                  definitions=dict(tpot_ratio="TPOT / chain TPOT (same prompts, same run)",
                                   tau_change="τ / τ(cure) - 1"))
@@ -836,7 +859,11 @@ def run_tables(bench: Bench, which: str, **kwargs) -> dict:
   """Runs tables named in `which`: one of '1', '3', '4', '5', 'diagnostic', 'sweep', 'peers', a
   comma-separated list of them (decodes are shared), or 'all'."""
   fns = {"1": table1, "3": lambda b: table3(b, execute=kwargs.get("execute", True)),
-         "4": table4, "5": lambda b: table5(b, tau=kwargs.get("scorer_tau")),
+         "4": lambda b: table4(b, kwargs.get("table4_problems") or TABLE4_PROBLEMS,
+                               [v for v in TABLE4_VARIANTS[1:]
+                                if v.label in (kwargs.get("table4_ablations") or
+                                               [a.label for a in TABLE4_VARIANTS[1:]])]),
+         "5": lambda b: table5(b, tau=kwargs.get("scorer_tau")),
          "diagnostic": diagnostic, "peers": table_peers,
          "sweep": lambda b: table_sweep(b, {f: SWEEP_GRID[f] for f in
                                             kwargs.get("sweep_factors") or SWEEP_GRID})}

@@ -213,3 +213,18 @@ def test_roofline_floors(bench):
   assert f["chain"]["verify_ms"] == pytest.approx(8 * f["ar"]["verify_ms"])
   assert f["cure"]["draft_ms"] == pytest.approx(3 * f["chain"]["draft_ms"])
   assert f["chain"]["draft_ms"] > 2 * (drafter.cfg.block_size - 1) * embed / 1e6
+
+
+def test_reuse_raw_skips_decoding(bench):
+  """--reuse_raw: a variant whose raw file exists is read back, not decoded again."""
+  tables.table1(bench)
+  again = tables.Bench(config=bench.config, target=bench.target, drafter=bench.drafter,
+                       rows=bench.rows, ids=bench.ids, results_dir=bench.results_dir,
+                       progress=False, echo=lambda s: None,
+                       reuse_raw=str(Path(bench.results_dir) / "raw"))
+  runs = tables.run_variants(again, [tables.Variant.of("chain", "chain")],
+                             list(range(NUM_PROMPTS)))
+  assert not again.generators  # nothing compiled or decoded
+  first = bench.runs[("chain",)]
+  assert [r.output_ids for r in runs["chain"]] == [first[i].output_ids for i in range(NUM_PROMPTS)]
+  assert runs["chain"][0].stats == first[0].stats
