@@ -775,7 +775,7 @@ def table_peers(bench: Bench) -> dict:
                  [[m, _num(p["draft_and_tree_ms"], ".2f"), _num(p["verify_ms"], ".2f"),
                    _num(p["commit_and_resync_ms"], ".2f")] for m, p in phases.items()]),
         "", f"Against the roofline floor of this machine (measured here: "
-        f"{peaks['gflops']:.0f} GFLOP/s float32 matmul, {peaks['gbytes_per_s']:.1f} GB/s copy; "
+        f"{peaks['gflops']:.0f} GFLOP/s float32 matmul, {peaks['gbytes_per_s']:.1f} GB/s read; "
         "floor = max(FLOPs at that peak, weight bytes at that bandwidth), mean nodes per "
         "iteration from the runs above):", "",
         md_table(["method", "nodes/iter", "draft floor", "verify floor", "iteration floor",
