@@ -235,27 +235,14 @@ def environment() -> dict:
 
 # ----------------------------------------------------------------------------- output
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-
-
 def write_text(path, text: str) -> None:
-  _atomic_bytes(Path(path), text.encode())
+  pipeline.write_atomic(Path(path), text.encode())
 
 
 def save_figure(fig, path) -> None:
   buf = io.BytesIO()
   fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-  _atomic_bytes(Path(path), buf.getvalue())
+  pipeline.write_atomic(Path(path), buf.getvalue())
 
 
 def _jsonable(x):
