@@ -131,18 +131,20 @@ def run_variants(bench: Bench, variants: Sequence[Variant], indices: Sequence[in
     _load_raw(bench, v)
   todo = list({bench.key(v): v for v in variants
                if any(i not in bench.runs.get(bench.key(v), {}) for i in indices)}.values())
-  batches = prompt_batches(bench, indices)
+  missing = sorted({i for v in todo for i in indices if i not in bench.runs.get(bench.key(v), {})})
+  batches = prompt_batches(bench, missing)
   for v in todo:
     gen = _generator(bench, v)
-    if bench.warmup and indices:  # compile + one untimed decode
+    if bench.warmup and batches:  # compile + one untimed decode
       gen.generate([bench.ids[i] for i in batches[0]])
   for chunk in _progress(batches, desc, bench):
     for v in todo:
       store = bench.runs.setdefault(bench.key(v), {})
-      if any(i not in store for i in chunk):
-        results = _generator(bench, v).generate([bench.ids[i] for i in chunk])
-        for i, r in zip(chunk, results):  # each sequence owns its share of the batch's time
-          store[i] = dataclasses.replace(r, decode_s=r.decode_s / len(chunk))
+      chunk_v = [i for i in chunk if i not in store]
+      if chunk_v:
+        results = _generator(bench, v).generate([bench.ids[i] for i in chunk_v])
+        for i, r in zip(chunk_v, results):  # each sequence owns its share of the batch's time
+          store[i] = dataclasses.replace(r, decode_s=r.decode_s / len(chunk_v))
   return {v.label: [bench.runs[bench.key(v)][i] for i in indices] for v in variants}
 
 
