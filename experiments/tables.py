@@ -726,9 +726,11 @@ def table_peers(bench: Bench) -> dict:
   idx = _indices(bench)
   ours_v = [Variant.of("ar", "ar"), Variant.of("chain", "chain"), Variant.of("cure", "cure")]
   runs = run_variants(bench, ours_v, idx, "peers (ours)")
+  sums = {v.label: summarize(runs[v.label], None if v.label == "ar" else runs["ar"])
+          for v in ours_v}
   rows = []
   for v in ours_v:
-    s = summarize(runs[v.label], None if v.label == "ar" else runs["ar"])
+    s = sums[v.label]
     rows.append(dict(system=f"cure_jax {v.label}", tau=s["tau"] if v.label != "ar" else 1.0,
                      tokens_per_s=s["tokens_per_s"], tpot_ms=s["tpot_ms"],
                      equal_to_our_ar=len(idx) - s.get("mismatches_vs_ar", 0)))
@@ -742,7 +744,6 @@ def table_peers(bench: Bench) -> dict:
       notes.append(f"peers skipped: {e}")
   phases = {v.label: cost_model.phase_ms(_generator(bench, v), bench.ids[idx[0]])
             for v in ours_v}
-  sums = {v.label: summarize(runs[v.label]) for v in ours_v}
   peaks = cost_model.machine_peaks()
   paths = sums["cure"]["gate_rate"] * _generator(bench, ours_v[2]).cure.num_paths
   floors = cost_model.floors_ms(bench.target, bench.drafter, peaks,
