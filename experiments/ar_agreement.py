@@ -20,7 +20,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from cure_jax import pipeline, prompts as prompts_lib
-from experiments import tables
+from experiments import report, tables
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file (target, prompts)")
@@ -78,12 +78,12 @@ def markdown(result: dict, max_new: int) -> str:
   lines = [f"## Our ar vs transformers `generate` (float32 greedy, {max_new} new tokens)", "",
            f"Identical outputs: **{result['identical']}/{result['prompts']}** prompts."]
   if result["divergences"]:
-    lines += ["", tables.md_table(
+    lines += ["", report.md_table(
         ["prompt", "first divergence", "our token", "reference token",
          "reference top1-top2 gap there", "reference median gap"],
-        [[r["prompt"], r["position"], r["ours"], r["reference"], tables._num(r["reference_gap"],
+        [[r["prompt"], r["position"], r["ours"], r["reference"], report.num(r["reference_gap"],
                                                                               ".2e"),
-          tables._num(r["median_gap"], ".2f")] for r in result["divergences"]])]
+          report.num(r["median_gap"], ".2f")] for r in result["divergences"]])]
   return "\n".join(lines) + "\n"
 
 
@@ -115,7 +115,7 @@ def main(argv):
   result.update(max_new_tokens=max_new, reference_seconds=ref["seconds"], ours=_OURS.value)
   pipeline.write_json(str(Path(_RESULTS.value) / "ar_agreement.json"), result)
   md = markdown(result, max_new)
-  tables.write_text(Path(_RESULTS.value) / "ar_agreement.md", md)
+  report.write_text(Path(_RESULTS.value) / "ar_agreement.md", md)
   print(md)
 
 

@@ -13,7 +13,7 @@ from absl import app, flags
 
 from cure_jax import pipeline, repair
 from cure_jax.generation import Generator
-from tests import random_models
+from cure_jax import random_models
 
 _PAIRS = flags.DEFINE_integer("pairs", 8, "random target/drafter pairs")
 _VOCAB = flags.DEFINE_integer("vocab", 8, "vocabulary size")

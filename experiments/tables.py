@@ -17,17 +17,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import io
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,6 +29,8 @@ import numpy as np
 from cure_jax import diagnostics, pipeline, scorer
 from cure_jax.generation import Result
 from experiments import cost_model
+from experiments.humaneval_exec import check_programs, extract_program
+from experiments.report import environment, jsonable, md_table, num, save_figure, write_text
 
 TABLES = ("1", "3", "4", "5", "diagnostic", "sweep", "peers")
 TABLE4_PROBLEMS = 64
@@ -212,63 +207,12 @@ def summarize(results: Sequence, reference: Sequence | None = None) -> dict:
   return out
 
 
-def _num(x, fmt: str = ".3f", suffix: str = "") -> str:
-  if x is None:
-    return "n/a"
-  if isinstance(x, float) and not np.isfinite(x):
-    return "n/a"
-  return f"{x:{fmt}}{suffix}"
-
-
-def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-  return "\n".join(lines)
-
-
-def environment() -> dict:
-  import resource
-
-  import jax
-  return dict(jax=jax.__version__, device=str(jax.devices()[0]), cpus=os.cpu_count(),
-              load_average=list(os.getloadavg()), time=time.strftime("%Y-%m-%d %H:%M:%S"),
-              peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-
-
-# ----------------------------------------------------------------------------- output
-
-def write_text(path, text: str) -> None:
-  pipeline.write_atomic(Path(path), text.encode())
-
-
-def save_figure(fig, path) -> None:
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-  pipeline.write_atomic(Path(path), buf.getvalue())
-
-
-def _jsonable(x):
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, (np.integer,)):
-    return int(x)
-  if isinstance(x, (np.floating,)):
-    return float(x)
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  if isinstance(x, float) and not np.isfinite(x):
-    return None
-  return x
-
-
 def write_outputs(bench: Bench, name: str, payload: dict, md: str) -> dict:
   """results/<name>.json and results/<name>.md (atomic); prints the markdown."""
   out = Path(bench.results_dir)
   payload = dict(payload, table=name, environment=environment(),
                  config=bench.config.to_dict())
-  pipeline.write_json(str(out / f"{name}.json"), _jsonable(payload))
+  pipeline.write_json(str(out / f"{name}.json"), jsonable(payload))
   write_text(out / f"{name}.md", md)
   bench.echo(md)
   return payload
@@ -287,7 +231,7 @@ def write_raw(bench: Bench, label: str, results: Sequence, indices: Sequence[int
     row["prompt_index"] = i
     row["task_id"] = bench.rows[i].get("task_id")
     rows.append(row)
-  pipeline.write_json(str(path), _jsonable(rows))
+  pipeline.write_json(str(path), jsonable(rows))
   return str(path)
 
 
@@ -347,10 +291,10 @@ def table1(bench: Bench) -> dict:
         f"batch {bench.config.batch_size}; TPOT = decode wall time / tokens after the first)", "",
         md_table(["method", "τ", "TPOT ms", "speedup vs ar", "tokens/s", "nodes/iter",
                   "≠ ar (prompts)", "compile s"],
-                 [[r["method"], _num(r["tau"]), _num(r["tpot_ms"], ".2f"),
-                   _num(r["speedup_vs_ar"], ".2f", "×"), _num(r["tokens_per_s"], ".1f"),
-                   _num(r["nodes_verified"], ".1f"), f"{r['mismatches_vs_ar']}/{r['prompts']}",
-                   _num(r["compile_s"], ".1f")] for r in rows])]
+                 [[r["method"], num(r["tau"]), num(r["tpot_ms"], ".2f"),
+                   num(r["speedup_vs_ar"], ".2f", "×"), num(r["tokens_per_s"], ".1f"),
+                   num(r["nodes_verified"], ".1f"), f"{r['mismatches_vs_ar']}/{r['prompts']}",
+                   num(r["compile_s"], ".1f")] for r in rows])]
   if extra:
     md.append(f"\ncure vs chain: τ {100 * extra['cure_tau_gain']:+.1f}%, TPOT ratio "
               f"{extra['cure_tpot_ratio_vs_chain']:.3f} (paper, Qwen3-8B HumanEval: τ 7.165 → "
@@ -360,72 +304,6 @@ def table1(bench: Bench) -> dict:
 
 
 # ----------------------------------------------------------------------------- table 3
-
-def extract_program(row: dict, text: str) -> str:
-  """A runnable HumanEval program from a completion: the prompt's preamble plus the function the
-  model wrote (chat style, fenced or not), else the prompt continued by the completion; then the
-  tests and the check call."""
-  entry = row["entry_point"]
-  blocks = re.findall(r"```[A-Za-z0-9_+-]*[ \t]*\n(.*?)(?:```|\Z)", text, re.S)
-  code = next((b for b in blocks if re.search(rf"def\s+{re.escape(entry)}\s*\(", b)),
-              blocks[0] if blocks else text)
-  prompt = row["prompt"]
-  m = re.search(rf"^def\s+{re.escape(entry)}\s*\(", code, re.M)
-  if m:
-    head = re.search(rf"^def\s+{re.escape(entry)}\s*\(", prompt, re.M)
-    # the prompt's preamble (imports, helper functions) + everything the model wrote
-    program = (prompt[:head.start()] if head else "") + code
-  else:
-    program = prompt + code
-  return f"{program}\n\n{row['test']}\n\ncheck({entry})\n"
-
-
-_BOOT = """import resource, runpy, sys
-for limit, value in ((resource.RLIMIT_AS, {mem}), (resource.RLIMIT_CPU, {cpu}),
-                     (resource.RLIMIT_FSIZE, 16 << 20), (resource.RLIMIT_NPROC, 64)):
-  resource.setrlimit(limit, (value, value))
-sys.argv = [sys.argv[1]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def run_program(program: str, timeout: float = 10.0, memory_gib: int = 4) -> dict:
-  """Runs untrusted test code in a separate Python process: isolated mode, empty temporary
-  working directory, memory / CPU / file-size / process limits set by a bootstrap before the
-  program runs, wall-clock timeout (the whole session is killed). Passed = exit status 0.
-
-  No preexec_fn: forking a multithreaded JAX process to run Python in the child can deadlock.
-  """
-  with tempfile.TemporaryDirectory() as d:
-    path = Path(d) / "program.py"
-    path.write_text(program)
-    boot = _BOOT.format(mem=memory_gib << 30, cpu=int(timeout) + 1)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": d, "PYTHONHASHSEED": "0"}
-    proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot, str(path)], cwd=d, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:
-      _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-      try:
-        os.killpg(proc.pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-      proc.communicate()
-      return dict(passed=False, status="timed out")
-    if proc.returncode == 0:
-      return dict(passed=True, status="passed")
-    tail = err.decode(errors="replace").strip().splitlines()
-    return dict(passed=False, status=f"failed: {tail[-1][:200] if tail else proc.returncode}")
-
-
-def check_programs(programs: Sequence[str], timeout: float = 10.0, workers: int = 2) -> list[dict]:
-  """run_program over many programs (identical programs run once)."""
-  unique = {hashlib.sha256(p.encode()).hexdigest(): p for p in programs}
-  with ThreadPoolExecutor(max_workers=workers) as pool:
-    done = dict(zip(unique, pool.map(lambda p: run_program(p, timeout), unique.values())))
-  return [done[hashlib.sha256(p.encode()).hexdigest()] for p in programs]
-
 
 def completion_text(bench: Bench, ids: Sequence[int]) -> str:
   if bench.tokenizer is None:
@@ -468,12 +346,12 @@ def table3(bench: Bench, timeout: float = 10.0, execute: bool = True) -> dict:
   md = [f"## Table 3: pass@1 on {len(idx)} problems (greedy, one sample)", "",
         md_table(["method", "pass@1", "passed", "τ", "TPOT ms", "= ar (prompts)",
                   "token agreement vs ar"],
-                 [[r["method"], _num(r["pass_at_1"] and 100 * r["pass_at_1"], ".1f", "%")
+                 [[r["method"], num(r["pass_at_1"] and 100 * r["pass_at_1"], ".1f", "%")
                    if r["pass_at_1"] is not None else "n/a",
                    f"{r['passed']}/{r['problems']}" if r["passed"] is not None else "n/a",
-                   _num(r["tau"]), _num(r["tpot_ms"], ".2f"),
+                   num(r["tau"]), num(r["tpot_ms"], ".2f"),
                    f"{r['exact_match_vs_ar']}/{r['problems']}",
-                   _num(100 * r["token_agreement_vs_ar"], ".1f", "%")] for r in rows]),
+                   num(100 * r["token_agreement_vs_ar"], ".1f", "%")] for r in rows]),
         "\nPaper (Qwen3-8B): pass@1 equal to target AR on HumanEval 79.9%, MBPP 71.1%, "
         "LCB-lite 23.4%."]
   md += [f"\nNote: {n}" for n in notes]
@@ -516,11 +394,11 @@ def table4(bench: Bench, problems: int = TABLE4_PROBLEMS,
   md = [f"## Table 4: ablations on the first {len(idx)} prompts", "",
         md_table(["variant", "τ", "Δτ vs cure", "TPOT ms", "speedup vs ar",
                   "TPOT ratio vs chain", "nodes/iter", "≠ ar"],
-                 [[r["variant"], _num(r["tau"]),
-                   _num(None if r["tau_change_vs_cure"] is None
-                       else 100 * r["tau_change_vs_cure"], "+.1f", "%"), _num(r["tpot_ms"], ".2f"),
-                   _num(r["speedup_vs_ar"], ".3f", "×"), _num(r["tpot_ratio_vs_chain"], ".3f"),
-                   _num(r["nodes_verified"], ".1f"), f"{r['mismatches_vs_ar']}/{r['prompts']}"]
+                 [[r["variant"], num(r["tau"]),
+                   num(None if r["tau_change_vs_cure"] is None
+                       else 100 * r["tau_change_vs_cure"], "+.1f", "%"), num(r["tpot_ms"], ".2f"),
+                   num(r["speedup_vs_ar"], ".3f", "×"), num(r["tpot_ratio_vs_chain"], ".3f"),
+                   num(r["nodes_verified"], ".1f"), f"{r['mismatches_vs_ar']}/{r['prompts']}"]
                   for r in rows]),
         "\nPaper (Qwen3-8B, 64-example subset): cure τ 6.826, speedup 2.708×, TPOT ratio 1.776; "
         "w/o branch 0: τ −5.7%, speedup 2.616×; w/o resync: τ 4.089 (−40.1%), TPOT ratio 2.642."]
@@ -663,11 +541,11 @@ def table_sweep(bench: Bench, grid: dict = SWEEP_GRID, cost_context: int | None 
   md = [f"## Sweep on {len(idx)} prompts (one factor at a time around the config)", "",
         md_table(["variant", "τ", "nodes/iter", "gate rate", "TPOT ms", "speedup (measured)",
                   "speedup (projected, CPU curve)", "speedup (projected, flat GPU-like)", "≠ ar"],
-                 [[r["variant"], _num(r["tau"]), _num(r["nodes_verified"], ".1f"),
-                   _num(100 * r["gate_rate"], ".0f", "%"), _num(r["tpot_ms"], ".2f"),
-                   _num(r["measured_speedup_vs_ar"], ".2f", "×"),
-                   _num(r["projected_speedup_cpu_curve"], ".2f", "×"),
-                   _num(r["projected_speedup_flat_curve"], ".2f", "×"),
+                 [[r["variant"], num(r["tau"]), num(r["nodes_verified"], ".1f"),
+                   num(100 * r["gate_rate"], ".0f", "%"), num(r["tpot_ms"], ".2f"),
+                   num(r["measured_speedup_vs_ar"], ".2f", "×"),
+                   num(r["projected_speedup_cpu_curve"], ".2f", "×"),
+                   num(r["projected_speedup_flat_curve"], ".2f", "×"),
                    f"{r['mismatches_vs_ar']}/{r['prompts']}"] for r in rows]),
         "", f"Measured cost curve on {costs['device']} (context {context} tokens): C_v(n) ms = " +
         ", ".join(f"{n}: {ms:.2f}" for n, ms in curve.items()) +
@@ -754,25 +632,25 @@ def table_peers(bench: Bench) -> dict:
                  floors_ms=floors, iteration_ms=iteration)
   md = [f"## Peers on {len(idx)} prompts (same weights, same run, CPU)", "",
         md_table(["system", "τ", "tokens/s", "TPOT ms", "= our ar (prompts)"],
-                 [[r["system"], _num(r["tau"]), _num(r["tokens_per_s"], ".1f"),
-                   _num(r["tpot_ms"], ".2f"),
+                 [[r["system"], num(r["tau"]), num(r["tokens_per_s"], ".1f"),
+                   num(r["tpot_ms"], ".2f"),
                    "n/a" if r["equal_to_our_ar"] is None else f"{r['equal_to_our_ar']}/{len(idx)}"]
                   for r in rows]),
         "\ntokens/s excludes prefill for every system (transformers: generate time minus a "
         "separately timed prefill forward).", "",
         "Where one of our iterations goes (ms, batch 1, each phase jitted alone):", "",
         md_table(["method", "draft + tree build", "verify", "commit + resync"],
-                 [[m, _num(p["draft_and_tree_ms"], ".2f"), _num(p["verify_ms"], ".2f"),
-                   _num(p["commit_and_resync_ms"], ".2f")] for m, p in phases.items()]),
+                 [[m, num(p["draft_and_tree_ms"], ".2f"), num(p["verify_ms"], ".2f"),
+                   num(p["commit_and_resync_ms"], ".2f")] for m, p in phases.items()]),
         "", f"Against the roofline floor of this machine (measured here: "
         f"{peaks['gflops']:.0f} GFLOP/s float32 matmul, {peaks['gbytes_per_s']:.1f} GB/s read; "
         "floor = max(FLOPs at that peak, weight bytes at that bandwidth), mean nodes per "
         "iteration from the runs above):", "",
         md_table(["method", "nodes/iter", "draft floor", "verify floor", "iteration floor",
                   "iteration measured (TPOT × τ)", "floor / measured"],
-                 [[m, _num(sums[m]["nodes_verified"], ".1f"), _num(f["draft_ms"], ".2f"),
-                   _num(f["verify_ms"], ".2f"), _num(f["total_ms"], ".2f"),
-                   _num(iteration[m], ".2f"), _num(f["total_ms"] / iteration[m], ".2f")]
+                 [[m, num(sums[m]["nodes_verified"], ".1f"), num(f["draft_ms"], ".2f"),
+                   num(f["verify_ms"], ".2f"), num(f["total_ms"], ".2f"),
+                   num(iteration[m], ".2f"), num(f["total_ms"] / iteration[m], ".2f")]
                   for m, f in floors.items()])]
   md += [f"\nNote: {n}" for n in notes]
   return write_outputs(bench, "peers", payload, "\n".join(md) + "\n")

@@ -6,7 +6,7 @@ import pytest
 
 from cure_jax import prompts, repair
 from cure_jax.generation import Generator
-from tests import random_models
+from cure_jax import random_models
 
 ARCH = random_models.Arch()
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs import common
-from experiments import tables
-from tests import random_models
+from experiments import humaneval_exec, tables
+from cure_jax import random_models
 
 ARCH = random_models.Arch()
 NUM_PROMPTS = 4
@@ -92,11 +92,11 @@ def test_table3(bench):
 def test_program_runner():
   row = dict(prompt="def identity(x):\n    \"\"\"doc\"\"\"\n", entry_point="identity",
              test="def check(candidate):\n    assert candidate(3) == 3\n")
-  ok = tables.extract_program(row, "Here:\n" + SOLVED + "\nDone.")
-  cont = tables.extract_program(row, "    return x\n")
-  wrong = tables.extract_program(row, "```python\ndef identity(x):\n    return 4\n```")
-  loop = tables.extract_program(row, "    while True:\n        pass\n")
-  results = tables.check_programs([ok, cont, wrong, loop], timeout=3.0)
+  ok = humaneval_exec.extract_program(row, "Here:\n" + SOLVED + "\nDone.")
+  cont = humaneval_exec.extract_program(row, "    return x\n")
+  wrong = humaneval_exec.extract_program(row, "```python\ndef identity(x):\n    return 4\n```")
+  loop = humaneval_exec.extract_program(row, "    while True:\n        pass\n")
+  results = humaneval_exec.check_programs([ok, cont, wrong, loop], timeout=3.0)
   assert [r["passed"] for r in results] == [True, True, False, False]
   assert "AssertionError" in results[2]["status"] and results[3]["status"] == "timed out"
 

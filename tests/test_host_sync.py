@@ -7,7 +7,7 @@ from flax import nnx
 
 from cure_jax import decoding, repair
 from cure_jax.drafting import Spec
-from tests import random_models
+from cure_jax import random_models
 
 ARCH = random_models.Arch()
 

@@ -5,7 +5,7 @@ import pytest
 
 from cure_jax import repair
 from cure_jax.generation import Generator
-from tests import random_models
+from cure_jax import random_models
 
 QWEN3 = random_models.Arch()
 LLAMA = random_models.Arch(vocab=6, model_type="llama", tie=True, heads=4, kv_heads=1,

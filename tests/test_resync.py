@@ -9,7 +9,7 @@ from flax import nnx
 
 from cure_jax import decoding, drafting, repair
 from cure_jax.drafting import Spec
-from tests import random_models
+from cure_jax import random_models
 
 ARCH = random_models.Arch()
 MAX_NEW = 16

@@ -18,7 +18,7 @@ from flax import nnx
 
 from cure_jax import repair, sharding
 from cure_jax.generation import Generator
-from tests import random_models
+from cure_jax import random_models
 
 DEVICES = 8
 REPO = Path(__file__).resolve().parents[1]
