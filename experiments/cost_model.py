@@ -190,13 +190,19 @@ def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, fl
 
 
 def machine_peaks(size: int = 2048, read_mib: int = 512, repeats: int = 5) -> dict[str, float]:
-  """Best-of-`repeats` float32 matmul GFLOP/s and streaming-read GB/s (a sum over an array far
-  larger than the caches, as a forward streams its weights; no output to allocate) here."""
+  """Best-of-`repeats` float32 speeds here: matmul GFLOP/s; streaming-read GB/s (a sum over an
+  array far larger than the caches, as a forward streams its weights; no output to allocate);
+  and the GB/s of weights that jitted matrix-vector products read (one token through 1024 x 4096
+  weights, read_mib in all), i.e. what a single-token decode step can reach through XLA's dot."""
   a = jnp.ones((size, size), jnp.float32)
   x = jnp.ones((read_mib * 2**20 // 4,), jnp.float32)
+  weights = [jnp.ones((1024, 4096), jnp.float32) for _ in range(read_mib // 16)]
+  token = jnp.ones((1, 1024), jnp.float32)
   matmul_ms = _time(jax.jit(lambda a: a @ a), a, repeats=repeats)
   read_ms = _time(jax.jit(jnp.sum), x, repeats=repeats)
-  return dict(gflops=2 * size**3 / matmul_ms / 1e6, gbytes_per_s=x.nbytes / read_ms / 1e6)
+  gemv_ms = _time(jax.jit(lambda t, ws: sum(t @ w for w in ws)), token, weights, repeats=repeats)
+  return dict(gflops=2 * size**3 / matmul_ms / 1e6, gbytes_per_s=x.nbytes / read_ms / 1e6,
+              gemv_gbytes_per_s=x.nbytes / gemv_ms / 1e6)
 
 
 def _param_count(module) -> int:

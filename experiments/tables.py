@@ -628,8 +628,9 @@ def table_peers(bench: Bench) -> dict:
                                 {m: max(s["nodes_verified"], 1.0) for m, s in sums.items()},
                                 repair_paths=paths)
   iteration = {m: s["tpot_ms"] * max(s["tau"], 1.0) for m, s in sums.items()}
+  ar_bound = _ar_bound(rows, floors["ar"]["verify_ms"], peaks)
   payload = dict(prompts=len(idx), rows=rows, notes=notes, phases_ms=phases, peaks=peaks,
-                 floors_ms=floors, iteration_ms=iteration)
+                 floors_ms=floors, iteration_ms=iteration, ar_vs_transformers=ar_bound)
   md = [f"## Peers on {len(idx)} prompts (same weights, same run, CPU)", "",
         md_table(["system", "τ", "tokens/s", "TPOT ms", "= our ar (prompts)"],
                  [[r["system"], num(r["tau"]), num(r["tokens_per_s"], ".1f"),
@@ -652,8 +653,25 @@ def table_peers(bench: Bench) -> dict:
                    num(f["verify_ms"], ".2f"), num(f["total_ms"], ".2f"),
                    num(iteration[m], ".2f"), num(f["total_ms"] / iteration[m], ".2f")]
                   for m, f in floors.items()])]
+  if ar_bound:
+    md.append(f"\nOur ar is {ar_bound['measured']:.2f}× transformers `generate` here. A decode "
+              f"step that only streamed the weights would be {ar_bound['at_read_floor']:.2f}×; one "
+              f"whose matrix-vector products ran at the {peaks['gemv_gbytes_per_s']:.1f} GB/s "
+              f"jitted matrix-vector products reach here, {ar_bound['at_gemv_floor']:.2f}×.")
   md += [f"\nNote: {n}" for n in notes]
   return write_outputs(bench, "peers", payload, "\n".join(md) + "\n")
+
+
+def _ar_bound(rows: list[dict], ar_floor_ms: float, peaks: dict) -> dict | None:
+  """Our ar's speedup over transformers `generate`, and the most it could be at this machine's
+  weight-streaming floor and at its matrix-vector speed (AR is memory-bound)."""
+  ours = next(r for r in rows if r["system"] == "cure_jax ar")
+  hf = next((r for r in rows if r["system"].startswith("transformers")), None)
+  if hf is None:
+    return None
+  gemv_floor_ms = ar_floor_ms * peaks["gbytes_per_s"] / peaks["gemv_gbytes_per_s"]
+  return dict(measured=hf["tpot_ms"] / ours["tpot_ms"], at_read_floor=hf["tpot_ms"] / ar_floor_ms,
+              at_gemv_floor=hf["tpot_ms"] / gemv_floor_ms)
 
 
 def _peer_rows(bench: Bench, idx: Sequence[int], ours: dict) -> list[dict]:

@@ -167,6 +167,16 @@ def test_peers_without_hf_directories(bench):
   assert peers["peaks"]["gflops"] > 0 and peers["peaks"]["gbytes_per_s"] > 0
   assert set(peers["floors_ms"]) == {"ar", "chain", "cure"}
   assert peers["floors_ms"]["ar"]["draft_ms"] == 0 < peers["floors_ms"]["chain"]["draft_ms"]
+  assert peers["peaks"]["gemv_gbytes_per_s"] > 0 and peers["ar_vs_transformers"] is None
+
+
+def test_ar_bound_against_transformers():
+  """The ratio bound: transformers' TPOT over our AR floor, at streaming speed and at the slower
+  matrix-vector speed (the floor stretches by read / gemv bandwidth)."""
+  rows = [dict(system="cure_jax ar", tpot_ms=30.0),
+          dict(system="transformers generate (torch fp32)", tpot_ms=60.0)]
+  bound = tables._ar_bound(rows, 15.0, dict(gbytes_per_s=30.0, gemv_gbytes_per_s=20.0))
+  assert bound == dict(measured=2.0, at_read_floor=4.0, at_gemv_floor=60.0 / 22.5)
 
 
 def test_batched_runs_match_batch1(bench):
