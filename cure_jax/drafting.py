@@ -79,10 +79,10 @@ def choose(spec: Spec, key, logits):
   return sampling.draw(key, q), q
 
 
-def _dflash_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit, known=None):
+def _dflash_hidden(drafter, target, dcache, spec: Spec, anchor, lengths, limit, known=None):
   """One DFlash pass; known [B, A, K-1] tokens at block positions 1.. (mask id = unknown).
 
-  Returns float32 draft logits [B, A, K-1, V].
+  Returns the block hidden states [B, A, K, H]: position d drafts the token at depth d.
   """
   k = spec.block_size
   b = anchor.shape[0]
@@ -91,14 +91,21 @@ def _dflash_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit, 
   blocks = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], known.shape[:2] + (1,)),
                             known], axis=-1)                                # [B, A, K]
   positions = lengths[:, None] + jnp.arange(k)[None]                       # [B, K]
-  hidden = drafter(target.embed(blocks), positions, dcache, limit + 1)
-  return drafter.draft_logits(hidden[:, :, 1:], target.logits)
+  return drafter(target.embed(blocks), positions, dcache, limit + 1)
 
 
-def _node_table(tree, root_row, rows):
-  """Per-node values [B, V, ...] from raw rows [B, N-1, ...] (branch 0, then paths)."""
+def _dflash_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit):
+  """The main draft block's float32 logits [B, K-1, V]."""
+  hidden = _dflash_hidden(drafter, target, dcache, spec, anchor, lengths, limit)
+  return drafter.draft_logits(hidden[:, 0, 1:], target.logits)
+
+
+def _branch0_rows(tree, root_row, rows):
+  """Per-node values [B, V, ...] from branch 0's rows [B, K-1, ...] (root_row for the root;
+  nodes off branch 0 read an arbitrary row, for the caller to overwrite)."""
   table = jnp.concatenate([root_row, rows], axis=1)
-  idx = tree.source.reshape(tree.source.shape + (1,) * (table.ndim - 2))
+  src = jnp.minimum(tree.source, table.shape[1] - 1)
+  idx = src.reshape(src.shape + (1,) * (table.ndim - 2))
   return jnp.take_along_axis(table, idx, axis=1)
 
 
@@ -113,7 +120,7 @@ def propose(target, drafter, dcache, spec: Spec, key, anchor, lengths, limit):
   if spec.method == "ar_draft":
     draft, q_main, dcache = _autoregressive_draft(drafter, dcache, spec, key_main, anchor, lengths)
     return _chain(spec, anchor, draft, q_main, limit), dcache
-  logits = _dflash_logits(target, drafter, dcache, spec, anchor, lengths, limit)[:, 0]
+  logits = _dflash_logits(target, drafter, dcache, spec, anchor, lengths, limit)
   draft, q_main = choose(spec, key_main, logits)                             # [B, K-1(, V)]
   if spec.method == "chain":
     return _chain(spec, anchor, draft, q_main, limit, logits), dcache
@@ -126,40 +133,51 @@ def _chain(spec: Spec, anchor, draft, q_main, limit, logits=None) -> Proposal:
   margins = None if logits is None else repair.margins(logits)
   if q_main is None:
     return Proposal(t, block_margins=margins)
-  q = _node_table(t, jnp.zeros_like(q_main[:, :1]), q_main)
+  q = _branch0_rows(t, jnp.zeros_like(q_main[:, :1]), q_main)
   return Proposal(t, block_margins=margins, q=q, deterministic=jnp.zeros(t.valid.shape, bool))
 
 
 def _repair_tree(target, drafter, dcache, spec: Spec, key, anchor, lengths, limit, draft, q_main,
                  logits) -> Proposal:
   """Branch 0 plus repair paths: alternatives at the gate's UFPs, suffixes re-drafted by DFlash
-  with the substituted token (and the shared prefix) filled into the block."""
+  with the substituted token (and the shared prefix) filled into the block.
+
+  The tree's shape does not depend on the re-drafted tokens, so it is built first and the
+  drafter's head runs only on the suffix nodes it kept (at most v_max rows instead of every
+  path's K-1 positions: most of a repair suffix falls outside a small tree).
+  """
   cfg = spec.cure
+  k = spec.block_size
   gate, alternatives = repair.select(logits, draft, limit, cfg)
   depth, alt, valid = repair.repair_paths(gate, alternatives, cfg.num_paths)
-  d = jnp.arange(1, spec.block_size)[None, None]                            # [1, 1, K-1]
+  d = jnp.arange(1, k)[None, None]                                          # [1, 1, K-1]
   j = depth[..., None]
   known = jnp.where(d < j, draft[:, None], jnp.where(d == j, alt[..., None], spec.mask_token_id))
-  b, r = depth.shape
+  t = tree_lib.build(anchor, draft, limit, v_max=cfg.v_max, keep_branch0=cfg.keep_branch0,
+                     path_tokens=known, path_depth=depth, path_valid=valid)
+  on_path = t.valid & (t.source >= k)                                       # [B, V] repair nodes
+  path = jnp.where(on_path, (t.source - k) // (k - 1), 0)                  # [B, V] their path
+  focal = jnp.take_along_axis(depth, path, axis=1)
+  drafted = on_path & (t.depth > focal)                                     # re-drafted suffix
+  b, v = t.tokens.shape
   n_vocab = logits.shape[-1]
-  empty_q = jnp.zeros((b, r, spec.block_size - 1, 0 if spec.sampling.greedy else n_vocab))
+  empty_q = jnp.zeros((b, v, 0 if spec.sampling.greedy else n_vocab))
 
   def redraft():
-    suffix, q_paths = choose(spec, key, _dflash_logits(target, drafter, dcache, spec, anchor,
-                                                       lengths, limit, known))
-    return jnp.where(d <= j, known, suffix), empty_q if q_paths is None else q_paths
+    hidden = _dflash_hidden(drafter, target, dcache, spec, anchor, lengths, limit, known)
+    rows = hidden[jnp.arange(b)[:, None], path, t.depth]                    # [B, V, H]
+    tokens, q = choose(spec, key, drafter.draft_logits(rows, target.logits))
+    return tokens, empty_q if q is None else q
 
-  path_tokens, q_paths = jax.lax.cond(jnp.any(valid), redraft, lambda: (known, empty_q))
-  t = tree_lib.build(anchor, draft, limit, v_max=cfg.v_max, keep_branch0=cfg.keep_branch0,
-                     path_tokens=path_tokens, path_depth=depth, path_valid=valid)
+  suffix, q_suffix = jax.lax.cond(jnp.any(valid), redraft,
+                                  lambda: (jnp.zeros((b, v), jnp.int32), empty_q))
+  t = t.replace(tokens=jnp.where(drafted, suffix, t.tokens))
   proposal = Proposal(t, gate=gate, block_margins=repair.margins(logits))
   if spec.sampling.greedy:
     return proposal
-  rows = jnp.concatenate([q_main, q_paths.reshape(b, -1, n_vocab)], axis=1)
-  det_rows = jnp.concatenate([jnp.zeros(draft.shape, bool),
-                              jnp.broadcast_to(d == j, path_tokens.shape).reshape(b, -1)], axis=1)
-  return proposal.replace(q=_node_table(t, jnp.zeros_like(q_main[:, :1]), rows),
-                          deterministic=_node_table(t, jnp.zeros((b, 1), bool), det_rows))
+  q = _branch0_rows(t, jnp.zeros_like(q_main[:, :1]), q_main)
+  return proposal.replace(q=jnp.where(drafted[..., None], q_suffix, q),
+                          deterministic=on_path & (t.depth == focal))
 
 
 def _autoregressive_draft(model, cache, spec: Spec, key, anchor, lengths):
