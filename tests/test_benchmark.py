@@ -238,3 +238,19 @@ def test_reuse_raw_skips_decoding(bench):
   first = bench.runs[("chain",)]
   assert [r.output_ids for r in runs["chain"]] == [first[i].output_ids for i in range(NUM_PROMPTS)]
   assert runs["chain"][0].stats == first[0].stats
+
+
+def test_accepted_length_after_a_repair_win():
+  """Each iteration is credited to the winner of the iteration before it; a sequence's first
+  iteration has no predecessor and the last one's successor does not exist."""
+  from types import SimpleNamespace
+
+  def it(won, accepted):
+    return dict(winning_branch=won, accept_lengths=accepted)
+
+  runs = [SimpleNamespace(stats=[it(2, 5), it(0, 1), it(0, 4), it(1, 3)]),
+          SimpleNamespace(stats=[it(1, 2), it(0, 6)])]
+  assert tables.after_wins(runs) == dict(iterations_after_repair_win=2,
+                                         tau_after_repair_win=(1 + 6) / 2,
+                                         tau_after_branch0_win=(4 + 3) / 2)
+  assert tables.after_wins([SimpleNamespace(stats=[it(0, 3)])])["tau_after_repair_win"] is None
