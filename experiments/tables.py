@@ -390,6 +390,8 @@ def table4(bench: Bench, problems: int = TABLE4_PROBLEMS,
   for v in ablations:  # kept at once: reusable (--reuse_raw) if the references come later
     write_raw(bench, v.label, runs[v.label], idx)
   runs.update(run_variants(bench, refs, idx, "table 4"))
+  for v in refs:
+    write_raw(bench, v.label, runs[v.label], idx)
   ar_tpot = summarize(runs["ar"])["tpot_ms"]
   chain_tpot = summarize(runs["chain"])["tpot_ms"]
   base = summarize(runs["cure"])

@@ -136,6 +136,9 @@ def test_table4(bench):
   for r in rows.values():
     assert r["mismatches_vs_ar"] == 0 and r["prompts"] == 3
     assert r["speedup_vs_ar"] == pytest.approx(rows["ar"]["tpot_ms"] / r["tpot_ms"])
+  # every variant's per-prompt results are kept, so a later run can reuse them (--reuse_raw)
+  raw = Path(bench.results_dir) / "raw"
+  assert {p.stem for p in raw.glob("*.json")} >= {"ar", "chain", "cure", "cure_w_o_resync"}
 
 
 def test_sweep(bench):
