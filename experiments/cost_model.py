@@ -209,14 +209,16 @@ def _param_count(module) -> int:
   return sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
-def floors_ms(target, drafter, peaks: dict, nodes: dict[str, float], repair_paths: int = 0,
-              bytes_per_param: int = 4) -> dict[str, dict[str, float]]:
+def floors_ms(target, drafter, peaks: dict, nodes: dict[str, float], repair_paths: float = 0,
+              repair_rows: float = 0, bytes_per_param: int = 4) -> dict[str, dict[str, float]]:
   """Roofline floor (ms) of each phase of one iteration per method: the larger of its FLOPs at
   peak matmul speed and its weight bytes at copy speed (activations and caches are small here).
 
   nodes: method -> mean verified nodes per iteration. The target costs 2 FLOPs per parameter per
   token outside the embedding plus the vocabulary head per node; a DFlash pass costs its layers
-  per block token and the head per drafted position (repair paths: one more pass each).
+  per block token and the head per drafted position. CURE adds, per iteration, repair_paths more
+  blocks through the layers and repair_rows more rows through the head (the re-drafted nodes
+  its trees keep; both are means over iterations, so they include the gate rate).
   """
   h, vocab = target.cfg.hidden_size, target.cfg.vocab_size
   head = vocab * h
@@ -233,7 +235,8 @@ def floors_ms(target, drafter, peaks: dict, nodes: dict[str, float], repair_path
     if method in ("chain", "cure") and drafter is not None:
       k = drafter.cfg.block_size
       blocks = 1 + (repair_paths if method == "cure" else 0)
+      rows = k - 1 + (repair_rows if method == "cure" else 0)
       layers = _param_count(drafter.layers)  # fc / hidden_norm run once per committed token
-      draft = floor(2 * blocks * (k * layers + (k - 1) * head), _param_count(drafter) + head)
+      draft = floor(2 * (blocks * k * layers + rows * head), _param_count(drafter) + head)
     out[method] = dict(draft_ms=draft, verify_ms=verify, total_ms=draft + verify)
   return out

@@ -645,10 +645,11 @@ def table_peers(bench: Bench) -> dict:
   phases = {v.label: cost_model.phase_ms(_generator(bench, v), bench.ids[idx[0]])
             for v in ours_v}
   peaks = cost_model.machine_peaks()
-  paths = sums["cure"]["gate_rate"] * _generator(bench, ours_v[2]).cure.num_paths
+  cure = _generator(bench, ours_v[2]).cure
+  gate = sums["cure"]["gate_rate"]
   floors = cost_model.floors_ms(bench.target, bench.drafter, peaks,
                                 {m: max(s["nodes_verified"], 1.0) for m, s in sums.items()},
-                                repair_paths=paths)
+                                repair_paths=gate * cure.num_paths, repair_rows=gate * cure.v_max)
   iteration = {m: s["tpot_ms"] * max(s["tau"], 1.0) for m, s in sums.items()}
   ar_bound = _ar_bound(rows, floors["ar"]["verify_ms"], peaks)
   payload = dict(prompts=len(idx), rows=rows, notes=notes, phases_ms=phases, peaks=peaks,

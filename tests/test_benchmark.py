@@ -221,10 +221,15 @@ def test_roofline_floors(bench):
   assert f["ar"]["verify_ms"] == pytest.approx(1000 * 4 * params / 1e9)
   assert f["chain"]["verify_ms"] == pytest.approx(f["ar"]["verify_ms"])  # weights read once
   f = cost_model.floors_ms(target, drafter, compute_bound, {"ar": 1, "chain": 8, "cure": 8},
-                           repair_paths=2)
+                           repair_paths=2, repair_rows=2 * (drafter.cfg.block_size - 1))
   assert f["ar"]["verify_ms"] == pytest.approx(1000 * 2 * params / 1e9)
   assert f["chain"]["verify_ms"] == pytest.approx(8 * f["ar"]["verify_ms"])
-  assert f["cure"]["draft_ms"] == pytest.approx(3 * f["chain"]["draft_ms"])
+  assert f["cure"]["draft_ms"] == pytest.approx(3 * f["chain"]["draft_ms"])  # 2 full re-drafts
+  fewer_rows = cost_model.floors_ms(target, drafter, compute_bound, {"cure": 8}, repair_paths=2,
+                                    repair_rows=1)["cure"]["draft_ms"]
+  head_row_ms = 1000 * 2 * embed / 1e9
+  assert fewer_rows == pytest.approx(f["cure"]["draft_ms"] - (2 * (drafter.cfg.block_size - 1) - 1)
+                                     * head_row_ms)
   assert f["chain"]["draft_ms"] > 2 * (drafter.cfg.block_size - 1) * embed / 1e6
 
 
