@@ -79,7 +79,7 @@ def choose(spec: Spec, key, logits):
   return sampling.draw(key, q), q
 
 
-def _dflash_hidden(drafter, target, dcache, spec: Spec, anchor, lengths, limit, known=None):
+def _dflash_hidden(target, drafter, dcache, spec: Spec, anchor, lengths, limit, known=None):
   """One DFlash pass; known [B, A, K-1] tokens at block positions 1.. (mask id = unknown).
 
   Returns the block hidden states [B, A, K, H]: position d drafts the token at depth d.
@@ -96,7 +96,7 @@ def _dflash_hidden(drafter, target, dcache, spec: Spec, anchor, lengths, limit, 
 
 def _dflash_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit):
   """The main draft block's float32 logits [B, K-1, V]."""
-  hidden = _dflash_hidden(drafter, target, dcache, spec, anchor, lengths, limit)
+  hidden = _dflash_hidden(target, drafter, dcache, spec, anchor, lengths, limit)
   return drafter.draft_logits(hidden[:, 0, 1:], target.logits)
 
 
@@ -164,7 +164,7 @@ def _repair_tree(target, drafter, dcache, spec: Spec, key, anchor, lengths, limi
   empty_q = jnp.zeros((b, v, 0 if spec.sampling.greedy else n_vocab))
 
   def redraft():
-    hidden = _dflash_hidden(drafter, target, dcache, spec, anchor, lengths, limit, known)
+    hidden = _dflash_hidden(target, drafter, dcache, spec, anchor, lengths, limit, known)
     rows = hidden[jnp.arange(b)[:, None], path, t.depth]                    # [B, V, H]
     tokens, q = choose(spec, key, drafter.draft_logits(rows, target.logits))
     return tokens, empty_q if q is None else q

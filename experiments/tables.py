@@ -386,12 +386,11 @@ def table4(bench: Bench, problems: int = TABLE4_PROBLEMS,
   idx = _indices(bench, problems)
   refs = [Variant.of("ar", "ar"), Variant.of("chain", "chain"), TABLE4_VARIANTS[0]]
   variants = refs + list(ablations)
-  runs = run_variants(bench, ablations, idx, "table 4 (ablations)")
-  for v in ablations:  # kept at once: reusable (--reuse_raw) if the references come later
-    write_raw(bench, v.label, runs[v.label], idx)
-  runs.update(run_variants(bench, refs, idx, "table 4"))
-  for v in refs:
-    write_raw(bench, v.label, runs[v.label], idx)
+  runs = {}
+  for group, desc in ((list(ablations), "table 4 (ablations)"), (refs, "table 4")):
+    runs.update(run_variants(bench, group, idx, desc))
+    for v in group:  # kept at once: a later or resumed run reuses them (--reuse_raw)
+      write_raw(bench, v.label, runs[v.label], idx)
   ar_tpot = summarize(runs["ar"])["tpot_ms"]
   chain_tpot = summarize(runs["chain"])["tpot_ms"]
   base = summarize(runs["cure"])
