@@ -148,6 +148,9 @@ def _load_raw(bench: Bench, variant: Variant) -> None:
   (written by `write_raw` in an earlier run of the same config), so that only the rest decode."""
   if not bench.reuse_raw:
     return
+  if not Path(bench.reuse_raw).is_dir():
+    raise FileNotFoundError(f"--reuse_raw={bench.reuse_raw} is not a folder: pass the raw/ folder "
+                            "of an earlier benchmark run (results/<run>/raw)")
   path = Path(bench.reuse_raw) / f"{_raw_name(variant.label)}.json"
   if not path.is_file():
     return

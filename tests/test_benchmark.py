@@ -4,6 +4,7 @@ One Bench is shared by the module, so each variant compiles and decodes once (ta
 each other's runs, as `--table=all` does).
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -246,6 +247,9 @@ def test_reuse_raw_skips_decoding(bench):
   first = bench.runs[("chain",)]
   assert [r.output_ids for r in runs["chain"]] == [first[i].output_ids for i in range(NUM_PROMPTS)]
   assert runs["chain"][0].stats == first[0].stats
+  missing = dataclasses.replace(again, reuse_raw=str(Path(bench.results_dir) / "no_such_raw"))
+  with pytest.raises(FileNotFoundError, match="reuse_raw"):
+    tables.run_variants(missing, [tables.Variant.of("chain", "chain")], [0])
 
 
 def test_accepted_length_after_a_repair_win():
