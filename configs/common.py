@@ -5,7 +5,7 @@ import ml_collections
 
 def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.method = "cure"            # ar | chain | cure | ar_draft
+  config.method = "cure"            # ar | chain | cure | ddtree | hybrid | ar_draft
   config.target = ml_collections.ConfigDict(dict(path=""))
   config.drafter = ml_collections.ConfigDict(dict(
       path="",                      # DFlash directory (chain, cure) or small Qwen3 (ar_draft)
@@ -34,5 +34,11 @@ def base_config() -> ml_collections.ConfigDict:
   config.cure = ml_collections.ConfigDict(dict(
       tau_margin=1.0, margin_scale=2.0, b_min=1, b_max=5, dynamic=True, select="margin",
       max_repair_positions=1, v_max=64, max_depth=15, beam_width=5, keep_branch0=True,
-      resync=True))
+      resync=True,
+      topk=4,                       # ddtree: top-k per depth; hybrid: sibling leaves per node
+      # Online budget (cure, hybrid): repair only while (τ0 + gain) / (C_d + C_r + C_v(v_max))
+      # beats τ0 / (C_d + C_v(K)), from running means kept in the loop; C_v(n) = base + per_node
+      # * n. Costs in any one unit (ms); `experiments.benchmark --table=trees` measures them.
+      online=False, cost_draft=1.0, cost_redraft=1.0, cost_verify_base=1.0,
+      cost_verify_per_node=0.0, online_decay=0.8, explore_every=8))
   return config

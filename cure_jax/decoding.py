@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from cure_jax import drafting, sampling, verify
+from cure_jax import budget as budget_lib, drafting, sampling, verify
 from cure_jax.cache import KVCache
 from cure_jax.drafting import Spec
 
@@ -52,6 +52,7 @@ class State:
   step: jax.Array             # [] loop counter
   key: jax.Array              # PRNG key (used when sampling)
   stats: Stats
+  budget: budget_lib.Budget | None = None  # the online budget's running means (spec.online)
 
 
 def _merge(graphdef, params):
@@ -84,7 +85,7 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> St
   cache = target.init_cache(b, s).append(out.k, out.v, prompt_len)
 
   dcache = None
-  if spec.method in ("chain", "cure"):
+  if spec.method in drafting.DFLASH_METHODS:
     k, v = drafter.context_kv(out.features, positions)
     dcache = drafter.init_cache(b, s).append(k, v, prompt_len)
   elif spec.method == "ar_draft":
@@ -97,30 +98,55 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> St
   return State(cache=cache, dcache=dcache, anchor=first, tokens=tokens,
                produced=jnp.ones((b,), jnp.int32), done=_is_stop(spec, first) | (n <= 1),
                iterations=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
-               stats=Stats.zeros(b, n, u, spec.block_size))
+               stats=Stats.zeros(b, n, u, spec.block_size),
+               budget=budget_lib.init(b) if spec.online else None)
 
 
 def propose(target, drafter, spec: Spec, st: State):
   """Phase 1, draft and tree build: (proposal, drafter cache)."""
   limit = drafting.depth_limit(spec, st.cache.lengths, st.produced)
   key_draft = jax.random.fold_in(st.key, 1)
+  want = (budget_lib.want_tree(st.budget, st.step, spec.cure, spec.block_size) if spec.online
+          else None)
   return drafting.propose(target, drafter, st.dcache, spec, key_draft, st.anchor,
-                          st.cache.lengths, limit)
+                          st.cache.lengths, limit, want)
 
 
-def verify_tree(target, spec: Spec, st: State, proposal: drafting.Proposal):
-  """Phase 2, one target forward over the whole tree: (verdict, target output)."""
+def _beyond_branch0(tree):
+  """[B] the tree holds a node off branch 0."""
+  return jnp.any(tree.valid & (tree.branch != 0), axis=1)
+
+
+def _verify(target, spec: Spec, st: State, proposal: drafting.Proposal):
   tree = proposal.tree
   lengths = st.cache.lengths
   out = target(tree.tokens, tree.positions(lengths), st.cache,
                tree.attention_mask(st.cache.visible()), spec.feature_layers)
   logits = target.logits(out.hidden)                                       # [B, V, N]
   if spec.sampling.greedy:
-    return verify.greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32),
-                         spec.block_size), out
-  return verify.stochastic(tree, sampling.warp(logits, spec.sampling), proposal.q,
-                           proposal.deterministic, jax.random.fold_in(st.key, 2),
-                           spec.block_size, spec.max_children), out
+    verdict = verify.greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), spec.block_size)
+  else:
+    verdict = verify.stochastic(tree, sampling.warp(logits, spec.sampling), proposal.q,
+                                proposal.deterministic, jax.random.fold_in(st.key, 2),
+                                spec.block_size, spec.max_children)
+  return verdict, drafting.keep_verified(spec, tree, out, verdict.path)
+
+
+def verify_tree(target, spec: Spec, st: State, proposal: drafting.Proposal):
+  """Phase 2, one target forward over the whole tree: (verdict, what the commit keeps).
+
+  Under the online budget, an iteration in which no sequence built more than branch 0 verifies
+  branch 0's K slots alone (the tree's first K), at a chain's cost."""
+  if not spec.online:
+    return _verify(target, spec, st, proposal)
+  k = spec.block_size
+  chain = proposal.replace(
+      tree=proposal.tree.prefix(k),
+      q=None if proposal.q is None else proposal.q[:, :k],
+      deterministic=None if proposal.deterministic is None else proposal.deterministic[:, :k])
+  return jax.lax.cond(jnp.any(_beyond_branch0(proposal.tree)),
+                      lambda: _verify(target, spec, st, proposal),
+                      lambda: _verify(target, spec, st, chain))
 
 
 def _emitted(spec: Spec, st: State, tree, verdict):
@@ -161,35 +187,38 @@ def _record(stats: Stats, step, active, proposal, verdict, n_new) -> Stats:
   return stats
 
 
-def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, out) -> State:
+def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified) -> State:
   """Phase 3: accepted keys/values into the target cache, drafter resync, outputs, stats."""
   active = ~st.done
   lengths = st.cache.lengths
   emitted, n_new, hit_stop = _emitted(spec, st, proposal.tree, verdict)
   count = jnp.where(active, verdict.accepted + 1, 0)  # committed nodes: root + accepted
-  cache = drafting.commit_target(st.cache, out, verdict.path, count)
+  cache = drafting.commit_target(st.cache, verified, count)
   if dcache is not None:  # an inactive sequence keeps its drafter state
-    dcache = drafting.resync(drafter, dcache, spec, proposal, out.features, verdict.path,
-                             lengths, count)
+    dcache = drafting.resync(drafter, dcache, spec, verified, lengths, count)
     dcache = dcache.replace(lengths=jnp.where(active, dcache.lengths, st.dcache.lengths))
   i = jnp.arange(spec.block_size)[None]
   slots = jnp.where(i < n_new[:, None], st.produced[:, None] + i, st.tokens.shape[1])
   tokens = st.tokens.at[jnp.arange(emitted.shape[0])[:, None], slots].set(emitted, mode="drop")
   produced = st.produced + n_new
+  budget = st.budget
+  if spec.online:
+    budget = budget_lib.update(budget, spec.cure, active, _beyond_branch0(proposal.tree),
+                               verdict.accepted, verdict.branch0_accepted)
   return st.replace(
       cache=cache, dcache=dcache, anchor=jnp.where(active, verdict.next_token, st.anchor),
       tokens=tokens, produced=produced,
       done=st.done | (active & (hit_stop | (produced >= spec.max_new_tokens))),
       iterations=st.iterations + active.astype(jnp.int32), step=st.step + 1,
       key=jax.random.fold_in(st.key, 3),
-      stats=_record(st.stats, st.step, active, proposal, verdict, n_new))
+      stats=_record(st.stats, st.step, active, proposal, verdict, n_new), budget=budget)
 
 
 def iteration(target, drafter, spec: Spec, st: State) -> State:
   """One propose -> verify -> commit/resync step for every sequence still running."""
   proposal, dcache = propose(target, drafter, spec, st)
-  verdict, out = verify_tree(target, spec, st, proposal)
-  return commit(drafter, spec, st, proposal, dcache, verdict, out)
+  verdict, verified = verify_tree(target, spec, st, proposal)
+  return commit(drafter, spec, st, proposal, dcache, verdict, verified)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from cure_jax import decoding, repair, sharding
-from cure_jax.drafting import METHODS, Spec
+from cure_jax.drafting import DFLASH_METHODS, METHODS, TREE_METHODS, Spec
 from cure_jax.sampling import Sampling
 from cure_jax.models.dflash import DFlash
 
@@ -61,7 +61,7 @@ class Generator:
     self.max_new_tokens = max_new_tokens
     self.stop_ids = tuple(int(i) for i in stop_ids)
     self.max_len = max_len
-    if method in ("chain", "cure"):
+    if method in DFLASH_METHODS:
       if not isinstance(drafter, DFlash):
         raise ValueError(f"method={method!r} needs a DFlash block drafter")
       drafter.cfg.check_against(target.cfg)
@@ -75,17 +75,19 @@ class Generator:
       block_size = 1
     if block_size < 1:
       raise ValueError(f"block size {block_size} must be >= 1")
-    if method == "cure":
+    if method in TREE_METHODS:
       cure = cure or repair.RepairConfig(max_depth=block_size - 1)
       cure.validate(block_size)
-      if cure.b_max >= target.cfg.vocab_size:
-        raise ValueError(f"cure.b_max={cure.b_max} alternatives need a vocabulary of more than "
-                         f"{cure.b_max} tokens (target has {target.cfg.vocab_size})")
+      for name in ("b_max",) + (("topk",) if method in ("ddtree", "hybrid") else ()):
+        if getattr(cure, name) >= target.cfg.vocab_size:
+          raise ValueError(f"cure.{name}={getattr(cure, name)} alternatives need a vocabulary of "
+                           f"more than {getattr(cure, name)} tokens (target has "
+                           f"{target.cfg.vocab_size})")
     self.block_size = block_size
     sampling.validate()
     self.sampling = sampling
     self.seed = seed
-    self.cure = cure if method == "cure" else None
+    self.cure = cure if method in TREE_METHODS else None
     self.graphdef, self.params = nnx.split((self.target, self.drafter))
     self.mesh = mesh
     if mesh is not None:
@@ -96,9 +98,9 @@ class Generator:
   def spec(self, max_len: int) -> Spec:
     return Spec(method=self.method, max_new_tokens=self.max_new_tokens, max_len=max_len,
                 stop_ids=self.stop_ids, block_size=self.block_size,
-                mask_token_id=self.drafter.cfg.mask_token_id if self.method in ("chain", "cure")
+                mask_token_id=self.drafter.cfg.mask_token_id if self.method in DFLASH_METHODS
                 else 0,
-                feature_layers=self.drafter.cfg.feature_layers if self.method in ("chain", "cure")
+                feature_layers=self.drafter.cfg.feature_layers if self.method in DFLASH_METHODS
                 else (), cure=self.cure, sampling=self.sampling)
 
   def cache_len(self, prompt_len: int) -> int:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cure_jax import repair
+from cure_jax.drafting import DFLASH_METHODS, TREE_METHODS
 from cure_jax.generation import Generator, Result
 from cure_jax.sampling import Sampling
 
@@ -133,11 +134,11 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
   block = int(config.drafter.block_size) or None
   if method == "ar_draft" and not block:
     block = int(config.drafter.gamma) + 1
-  if method in ("chain", "cure"):
+  if method in DFLASH_METHODS:
     block = block or drafter.cfg.block_size
   return Generator(target, drafter, method=method, max_new_tokens=int(config.max_new_tokens),
                    stop_ids=() if config.ignore_eos else stops, block_size=block,
-                   cure=repair_config(config, block) if method == "cure" else None,
+                   cure=repair_config(config, block) if method in TREE_METHODS else None,
                    max_len=int(config.max_len) or None, mesh=mesh_of(config),
                    sampling=Sampling(float(config.temperature), int(config.top_k),
                                      float(config.top_p)), seed=int(config.seed))

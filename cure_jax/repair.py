@@ -32,6 +32,14 @@ class RepairConfig:
   beam_width: int = 5
   keep_branch0: bool = True
   resync: bool = True
+  topk: int = 4                  # ddtree: candidates per depth; hybrid: sibling leaves per node
+  online: bool = False           # cure/hybrid: repair only while the efficiency model says so
+  cost_draft: float = 1.0        # online: C_d, one drafter block pass (any unit, e.g. ms)
+  cost_redraft: float = 1.0      # online: the re-draft pass over the repair paths
+  cost_verify_base: float = 1.0  # online: C_v(n) = base + per_node * n
+  cost_verify_per_node: float = 0.0
+  online_decay: float = 0.8      # online: weight of the past in the running means
+  explore_every: int = 8         # online: try the tree at least once in this many iterations
 
   @property
   def num_paths(self) -> int:
@@ -53,6 +61,15 @@ class RepairConfig:
       problems.append("beam_width must be >= 1")
     if not 1 <= self.max_depth <= block_size - 1:
       problems.append(f"max_depth={self.max_depth} must lie in 1..block_size-1={block_size - 1}")
+    if self.topk < 1:
+      problems.append(f"topk={self.topk} must be >= 1")
+    if min(self.cost_draft, self.cost_redraft, self.cost_verify_base,
+           self.cost_verify_per_node) < 0 or self.cost_draft + self.cost_verify_base <= 0:
+      problems.append("online costs must be >= 0, with cost_draft + cost_verify_base > 0")
+    if not 0 <= self.online_decay < 1:
+      problems.append(f"online_decay={self.online_decay} must lie in [0, 1)")
+    if self.explore_every < 1:
+      problems.append(f"explore_every={self.explore_every} must be >= 1")
     if self.v_max < self.max_depth + 1:
       problems.append(f"v_max={self.v_max} is too small for branch 0 (root + {self.max_depth} "
                       f"nodes): use v_max >= {self.max_depth + 1}")
@@ -83,6 +100,12 @@ def top_k(x, k: int):
     indices.append(i.astype(jnp.int32))
     x = jnp.where(iota == i[..., None], -jnp.inf, x)
   return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
+def excluding(values, drafted, n: int):
+  """The first n entries of values [..., M] (token ids, best first) other than drafted [...]:
+  positions [..., n] into values. Used to list a drafted token's alternatives."""
+  return jnp.argsort(values == drafted[..., None], axis=-1, stable=True)[..., :n]
 
 
 def margins(logits):
@@ -145,8 +168,7 @@ def select(logits, draft, draft_len, cfg: RepairConfig):
       margins=jnp.where(chosen_ok, jnp.take_along_axis(margins, chosen, axis=1), 0.0),
       branches=jnp.where(chosen_ok, jnp.take_along_axis(budget, chosen, axis=1), 0),
   )
-  others = jnp.argsort(idx == draft[..., None], axis=-1, stable=True)      # drafted token last
-  return gate, jnp.take_along_axis(idx, others, axis=-1)[..., :cfg.b_max]
+  return gate, jnp.take_along_axis(idx, excluding(idx, draft, cfg.b_max), axis=-1)
 
 
 def repair_paths(gate: Gate, alternatives, num_paths: int):

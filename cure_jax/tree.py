@@ -44,6 +44,10 @@ class Tree:
                                                        cache_visible.shape[1]))
     return jnp.concatenate([old & self.valid[:, :, None], self.ancestors], axis=-1)
 
+  def prefix(self, n: int) -> "Tree":
+    """The first n nodes (a subtree when no node among them has a parent beyond them)."""
+    return jax.tree.map(lambda x: x[:, :n], self).replace(ancestors=self.ancestors[:, :n, :n])
+
 
 def _gather(x, index):
   """x [B, N], index [B, M] (PAD allowed) -> [B, M] (PAD positions read slot 0)."""

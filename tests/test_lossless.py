@@ -30,6 +30,13 @@ def _variants(arch, target, drafter, ar_drafter, tight):
         "cure_no_branch0": Generator(target, drafter, method="cure",
                                      cure=_cure(arch, keep_branch0=False), **new),
         "ar_draft": Generator(target, ar_drafter, method="ar_draft", block_size=4, **new),
+        "ddtree": Generator(target, drafter, method="ddtree", cure=_cure(arch, topk=3), **new),
+        "hybrid": Generator(target, drafter, method="hybrid",
+                            cure=_cure(arch, v_max=24, topk=2, select="earliest"), **new),
+        # The tree rarely pays at these costs: chain-only iterations with a tree every third.
+        "cure_online": Generator(target, drafter, method="cure",
+                                 cure=_cure(arch, online=True, cost_verify_per_node=10.0,
+                                            explore_every=3), **new),
     }
   # A tight cache (no slack past prompt + new tokens) makes the cache end cut the last trees.
   return {
@@ -41,6 +48,10 @@ def _variants(arch, target, drafter, ar_drafter, tight):
       "cure_gain_fixed_no_resync": Generator(
           target, drafter, method="cure",
           cure=_cure(arch, dynamic=False, select="expected_gain", resync=False), **new),
+      "ddtree_tight": Generator(target, drafter, method="ddtree", max_len=tight,
+                                cure=_cure(arch, v_max=9, topk=2), **new),
+      "hybrid_online_tight": Generator(target, drafter, method="hybrid", max_len=tight,
+                                       cure=_cure(arch, v_max=12, topk=3, online=True), **new),
   }
 
 
@@ -73,21 +84,21 @@ def test_stop_tokens_end_each_sequence_like_target_greedy():
   stop = ref[0].output_ids[3]  # a token the target really emits
   ref = Generator(target, method="ar", max_new_tokens=MAX_NEW, stop_ids=(stop,)).generate(batch)
   assert ref[0].output_ids[-1] == stop and len(ref[0].output_ids) <= 4
-  for method in ("chain", "cure"):
+  for method in ("chain", "cure", "ddtree", "hybrid"):
     gen = Generator(target, drafter, method=method, max_new_tokens=MAX_NEW, stop_ids=(stop,),
-                    cure=_cure(arch) if method == "cure" else None)
+                    cure=_cure(arch) if method != "chain" else None)
     for r, a in zip(gen.generate(batch), ref):
       assert r.output_ids == a.output_ids
 
 
-@pytest.mark.parametrize("method", ["ar", "chain", "cure"])
+@pytest.mark.parametrize("method", ["ar", "chain", "cure", "ddtree", "hybrid"])
 def test_batched_equals_one_by_one(method):
   """Batch 4, prompts of different lengths: each sequence's output equals its batch-1 output."""
   arch = QWEN3
   target, drafter = random_models.pair(arch, 7)
   batch = random_models.prompts(7, arch.vocab, 4, lo=2, hi=30)
   gen = Generator(target, drafter, method=method, max_new_tokens=MAX_NEW,
-                  cure=_cure(arch) if method == "cure" else None)
+                  cure=_cure(arch) if method not in ("ar", "chain") else None)
   together = gen.generate(batch)
   for prompt, r in zip(batch, together):
     alone = gen.generate([prompt])[0]

@@ -2,12 +2,13 @@
 
 Stated test: a random target/drafter pair over a 4-token vocabulary (64 possible 3-token
 continuations). The exact target distribution of the first 3 tokens is computed by enumerating
-all prefixes through the target. Each method draws N = 4000 continuations (one batch, fresh
+all prefixes through the target. Each method draws N = 3000 continuations (one batch, fresh
 seed per row); a chi-square goodness-of-fit test (cells with expected count < 5 merged) must not
 reject at significance 0.001. A deliberately wrong verifier ("test every child against the full
 target distribution and keep the longest accepted branch", no residual) must be rejected.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -76,6 +77,10 @@ def _generators(target, drafter, ar_drafter, warp, max_new=3):
   return {
       "chain": Generator(target, drafter, method="chain", **common),
       "cure": Generator(target, drafter, method="cure", cure=cure, **common),
+      "ddtree": Generator(target, drafter, method="ddtree", cure=dataclasses.replace(cure, topk=3),
+                          **common),
+      "hybrid": Generator(target, drafter, method="hybrid",
+                          cure=dataclasses.replace(cure, topk=2, beam_width=2), **common),
       "ar_draft": Generator(target, ar_drafter, method="ar_draft", block_size=3, **common),
   }
 
@@ -122,7 +127,7 @@ def test_a_wrong_verifier_is_caught(models, monkeypatch):
   monkeypatch.setattr(verify, "stochastic", _longest_branch_verifier)
   # max_new=4 gives a Spec never compiled before, so the patched verifier is traced.
   gens = _generators(target, drafter, ar_drafter, warp, max_new=4)
-  for name in ("chain", "cure"):
+  for name in ("chain", "cure", "ddtree"):
     assert _p_value(_counts(gens[name]), expected) < ALPHA, name
 
 
