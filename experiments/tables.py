@@ -27,12 +27,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from cure_jax import diagnostics, pipeline, scorer
+from cure_jax.drafting import TREE_METHODS
 from cure_jax.generation import Result
 from experiments import cost_model
 from experiments.humaneval_exec import check_programs, extract_program
 from experiments.report import environment, jsonable, md_table, num, save_figure, write_text
 
-TABLES = ("1", "3", "4", "5", "diagnostic", "sweep", "peers")
+TABLES = ("1", "3", "4", "5", "diagnostic", "sweep", "peers", "trees")
 TABLE4_PROBLEMS = 64
 SWEEP_GRID = dict(tau_margin=(0.5, 1.0, 2.0, 4.0), v_max=(32, 48, 64), b_max=(2, 3, 5),
                   select=("margin", "earliest", "expected_gain"))
@@ -92,9 +93,9 @@ class Bench:
     return c
 
   def key(self, variant: Variant) -> tuple:
-    if variant.method != "cure":
+    if variant.method not in TREE_METHODS:
       return (variant.method,)
-    return ("cure",) + tuple(sorted(self.cure_settings(variant).items()))
+    return (variant.method,) + tuple(sorted(self.cure_settings(variant).items()))
 
 
 def _generator(bench: Bench, variant: Variant):
@@ -766,9 +767,14 @@ def _peer_rows(bench: Bench, idx: Sequence[int], ours: dict) -> list[dict]:
 
 # ----------------------------------------------------------------------------- dispatch
 
+def _table_trees(bench: Bench, budgets=None) -> dict:
+  from experiments import table_trees  # it builds on this module
+  return table_trees.table_trees(bench, budgets or table_trees.BUDGETS)
+
+
 def run_tables(bench: Bench, which: str, **kwargs) -> dict:
-  """Runs tables named in `which`: one of '1', '3', '4', '5', 'diagnostic', 'sweep', 'peers', a
-  comma-separated list of them (decodes are shared), or 'all'."""
+  """Runs tables named in `which`: one of '1', '3', '4', '5', 'diagnostic', 'sweep', 'peers',
+  'trees', a comma-separated list of them (decodes are shared), or 'all'."""
   fns = {"1": table1, "3": lambda b: table3(b, execute=kwargs.get("execute", True)),
          "4": lambda b: table4(b, kwargs.get("table4_problems") or TABLE4_PROBLEMS,
                                [v for v in TABLE4_VARIANTS[1:]
@@ -776,6 +782,7 @@ def run_tables(bench: Bench, which: str, **kwargs) -> dict:
                                                [a.label for a in TABLE4_VARIANTS[1:]])]),
          "5": lambda b: table5(b, tau=kwargs.get("scorer_tau")),
          "diagnostic": diagnostic, "peers": table_peers,
+         "trees": lambda b: _table_trees(b, kwargs.get("trees_budgets")),
          "sweep": lambda b: table_sweep(b, {f: SWEEP_GRID[f] for f in
                                             kwargs.get("sweep_factors") or SWEEP_GRID})}
   names = list(TABLES) if which == "all" else [n.strip() for n in which.split(",")]

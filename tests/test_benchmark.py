@@ -266,3 +266,24 @@ def test_accepted_length_after_a_repair_win():
                                          tau_after_repair_win=(1 + 6) / 2,
                                          tau_after_branch0_win=(4 + 3) / 2)
   assert tables.after_wins([SimpleNamespace(stats=[it(0, 3)])])["tau_after_repair_win"] is None
+
+
+def test_trees_table(bench):
+  from experiments.table_trees import table_trees
+  table_trees(bench, budgets=(4, 12), repeats=1)   # 4 < block size: skipped
+  tr = _load(bench, "trees")
+  rows = {r["variant"]: r for r in tr["rows"]}
+  assert set(rows) == {"ar", "chain", "ddtree v12", "cure margin v12", "cure earliest v12",
+                       "hybrid v12", "hybrid online v12"}
+  for r in rows.values():
+    assert r["mismatches_vs_ar"] == 0
+    src = r["sources"]
+    if r["method"] != "ar":  # the parts add up to τ, up to the truncated last iterations
+      assert 0 <= sum(src.values()) - r["tau"] <= ARCH.block_size * NUM_PROMPTS / r["iterations"]
+  assert rows["chain"]["sources"]["siblings"] == rows["chain"]["sources"]["redrafted"] == 0
+  assert rows["ddtree v12"]["sources"]["redrafted"] == 0 and rows["ddtree v12"]["drafter_passes"] == 1
+  assert rows["cure earliest v12"]["sources"]["siblings"] == 0
+  assert rows["cure earliest v12"]["drafter_passes"] > 1        # the gate fires, a re-draft runs
+  assert rows["hybrid v12"]["nodes_verified"] > rows["chain"]["nodes_verified"]
+  assert all(x >= 0 for x in tr["online_costs"].values()) and tr["online_costs"]["cost_draft"] > 0
+  assert rows["ar"]["projected_speedup_flat"] == 1.0
