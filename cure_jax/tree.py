@@ -109,11 +109,15 @@ def build(anchor, draft, depth_limit, *, v_max: int, keep_branch0: bool = True,
   valid = jnp.concatenate([b0_valid, p_valid.reshape(b, -1)], axis=1)
   branch = jnp.concatenate([b0_branch, p_branch.reshape(b, -1)], axis=1)
   valid = valid & (depth <= depth_limit[:, None])
+  repair_key = k + (p_depth * max(r, 1) + p_idx[None]).reshape(b, -1)
+  key = jnp.concatenate([b0_depth, repair_key], axis=1)
+  short = max(v_max - tokens.shape[1], 0)  # fewer candidates than slots: pad to v_max
+  tokens, parent, depth, branch, key = (jnp.pad(x, ((0, 0), (0, short))) for x in
+                                        (tokens, parent, depth, branch, key))
+  valid = jnp.pad(valid, ((0, 0), (0, short)))
 
   # Priority: branch 0 by depth, then repair nodes breadth first; invalid nodes last.
   n_raw = tokens.shape[1]
-  repair_key = k + (p_depth * max(r, 1) + p_idx[None]).reshape(b, -1)
-  key = jnp.concatenate([b0_depth, repair_key], axis=1)
   key = jnp.where(valid, key, n_raw * n_raw + jnp.arange(n_raw))
   order = jnp.argsort(key, axis=1)[:, :v_max]                               # [B, V]
   slot_of_raw = jnp.argsort(jnp.argsort(key, axis=1), axis=1)               # [B, N]
