@@ -36,13 +36,17 @@ def online_costs(costs: dict, num_paths: int) -> dict:
                                                                                       0.0)))
 
 
-def strategies(budget: int, costs: dict) -> list[Variant]:
-  return [Variant.of(f"ddtree v{budget}", "ddtree", v_max=budget),
-          Variant.of(f"cure margin v{budget}", "cure", v_max=budget, select="margin"),
-          Variant.of(f"cure earliest v{budget}", "cure", v_max=budget, select="earliest"),
-          Variant.of(f"hybrid v{budget}", "hybrid", v_max=budget, select="earliest"),
-          Variant.of(f"hybrid online v{budget}", "hybrid", v_max=budget, select="earliest",
-                     online=True, **costs)]
+def strategies(budget: int, costs: dict, branch0_nodes: int) -> list[Variant]:
+  """The tree variants at one node budget; the repair methods only where a repair fits beside
+  branch 0 (root + max_depth nodes, never pruned): below that they decode exactly as chain."""
+  out = [Variant.of(f"ddtree v{budget}", "ddtree", v_max=budget)]
+  if budget > branch0_nodes:
+    out += [Variant.of(f"cure margin v{budget}", "cure", v_max=budget, select="margin"),
+            Variant.of(f"cure earliest v{budget}", "cure", v_max=budget, select="earliest"),
+            Variant.of(f"hybrid v{budget}", "hybrid", v_max=budget, select="earliest"),
+            Variant.of(f"hybrid online v{budget}", "hybrid", v_max=budget, select="earliest",
+                       online=True, **costs)]
+  return out
 
 
 def token_sources(results: Sequence, method: str, leaf: int | None) -> dict:
@@ -75,7 +79,8 @@ def table_trees(bench: Bench, budgets: Sequence[int] = BUDGETS, repeats: int = 5
                              feature_layers=bench.drafter.cfg.feature_layers, repeats=repeats)
   settings = online_costs(costs, num_paths)
   refs = [Variant.of("ar", "ar"), Variant.of("chain", "chain")]
-  variants = refs + [v for b in budgets if b >= k for v in strategies(b, settings)]
+  branch0 = 1 + min(int(bench.config.cure.max_depth), k - 1)
+  variants = refs + [v for b in budgets if b >= k for v in strategies(b, settings, branch0)]
   runs = {}
   for v in variants:  # one at a time, kept at once: a resumed run reuses them (--reuse_raw)
     runs.update(run_variants(bench, [v], idx, f"trees: {v.label}"))
@@ -120,7 +125,9 @@ def table_trees(bench: Bench, budgets: Sequence[int] = BUDGETS, repeats: int = 5
                    num(r["projected_speedup_cpu_curve"], ".2f", "×"),
                    num(r["projected_speedup_flat"], ".2f", "×"),
                    f"{r['mismatches_vs_ar']}/{r['prompts']}"] for r in rows]),
-        "", "main / siblings / re-drafted / bonus: accepted tokens per iteration from branch 0 "
+        "", f"cure and hybrid need v_max > {branch0} (branch 0's root + {branch0 - 1} nodes "
+        "are never pruned); below that they decode exactly as chain and are not listed.",
+        "main / siblings / re-drafted / bonus: accepted tokens per iteration from branch 0 "
         "alone, the extra of winners off it (ddtree: one-pass siblings and their subtrees; "
         "hybrid: sibling leaves) or re-drafted suffixes (cure, hybrid), and the bonus token.",
         f"Measured on {costs['device']} (context {context}): C_v(n) ms = " +

@@ -270,11 +270,12 @@ def test_accepted_length_after_a_repair_win():
 
 def test_trees_table(bench):
   from experiments.table_trees import table_trees
-  table_trees(bench, budgets=(4, 12), repeats=1)   # 4 < block size: skipped
+  # 4 < block size: skipped; 6 = branch 0's nodes: ddtree only; 12: every strategy.
+  table_trees(bench, budgets=(4, 6, 12), repeats=1)
   tr = _load(bench, "trees")
   rows = {r["variant"]: r for r in tr["rows"]}
-  assert set(rows) == {"ar", "chain", "ddtree v12", "cure margin v12", "cure earliest v12",
-                       "hybrid v12", "hybrid online v12"}
+  assert set(rows) == {"ar", "chain", "ddtree v6", "ddtree v12", "cure margin v12",
+                       "cure earliest v12", "hybrid v12", "hybrid online v12"}
   for r in rows.values():
     assert r["mismatches_vs_ar"] == 0
     src = r["sources"]
