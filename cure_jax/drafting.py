@@ -199,10 +199,7 @@ def _repair_tree(target, drafter, dcache, spec: Spec, key, anchor, lengths, limi
   hybrid = spec.method == "hybrid"
   gate, alternatives = repair.select(logits, draft, limit, cfg)
   if want_tree is not None:
-    gate = jax.tree.map(lambda x, off: jnp.where(want_tree[:, None], x, off), gate,
-                        repair.Gate(positions=jnp.full_like(gate.positions, -1),
-                                    margins=jnp.zeros_like(gate.margins),
-                                    branches=jnp.zeros_like(gate.branches)))
+    gate = gate.only(want_tree)
   depth, alt, valid = repair.repair_paths(gate, alternatives, cfg.num_paths)
   d = jnp.arange(1, k)[None, None]                                          # [1, 1, K-1]
   j = depth[..., None]

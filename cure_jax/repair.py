@@ -83,6 +83,12 @@ class Gate:
   margins: jax.Array    # [B, U] its margin (0 where none)
   branches: jax.Array   # [B, U] alternatives granted (0 where none)
 
+  def only(self, keep) -> "Gate":
+    """This gate for the sequences where keep [B], no focal point for the others."""
+    k = keep[:, None]
+    return Gate(positions=jnp.where(k, self.positions, -1),
+                margins=jnp.where(k, self.margins, 0.0), branches=jnp.where(k, self.branches, 0))
+
 
 def top_k(x, k: int):
   """`jax.lax.top_k` over the last axis for a small k, as k max/argmax passes.
