@@ -156,15 +156,10 @@ def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, fl
   after prefill): draft + tree build, target verification, commit + resync. Each phase is jitted
   alone here, so the sum exceeds the fused loop's iteration time by the dispatch overheads."""
   from cure_jax import decoding
-  from cure_jax.generation import prompt_bucket
+  from cure_jax.replay import prefill_state
 
-  max_len = generator.cache_len(len(prompt))
-  spec = generator.spec(max_len)
+  spec, state = prefill_state(generator, prompt)
   graphdef, params = generator.graphdef, generator.params
-  padded = np.zeros((1, prompt_bucket(len(prompt))), np.int32)
-  padded[0, :len(prompt)] = prompt
-  state = decoding.prefill(graphdef, params, jnp.asarray(padded), jnp.asarray([len(prompt)]),
-                           jax.random.key(0), spec=spec)
 
   @jax.jit
   def draft(params, st):
