@@ -23,7 +23,7 @@ def _axis(ax, size):
   return ax
 
 
-def token_label(token: int, tokenizer=None, width: int = 7) -> str:
+def token_label(token: int, tokenizer=None, width: int = 6) -> str:
   """A node's text: the decoded token (whitespace made visible), cut to `width`, or its id."""
   if tokenizer is None:
     return str(int(token))
@@ -40,7 +40,7 @@ def draw_tree(it, tokenizer=None, ax=None, title: str | None = None):
 
   nodes = np.flatnonzero(it.valid)
   lanes = int(max(it.branch[nodes].max(), 0)) + 1
-  ax = _axis(ax, (1.0 + 0.85 * int(it.depth[nodes].max() + 1), 0.9 + 0.75 * lanes))
+  ax = _axis(ax, (max(6.5, 1.0 + 0.85 * int(it.depth[nodes].max() + 1)), 1.4 + 0.75 * lanes))
   won = set(it.path)
   xy = {int(n): (int(it.depth[n]), -max(int(it.branch[n]), 0)) for n in nodes}
   for n in nodes[1:]:
@@ -53,14 +53,16 @@ def draw_tree(it, tokenizer=None, ax=None, title: str | None = None):
     kind = ("root" if n == 0 else "won" if int(n) in won else
             "accepted" if it.accepted[n] else "rejected")
     ax.scatter([x], [y], s=900, color=COLORS[kind], edgecolors="k", linewidths=0.6, zorder=2)
-    ax.text(x, y, token_label(it.tokens[n], tokenizer), ha="center", va="center", fontsize=7,
+    ax.text(x, y, token_label(it.tokens[n], tokenizer), ha="center", va="center", fontsize=6.5,
             color="white" if kind in ("root", "won") else "black", zorder=3)
   for pos, margin, b in zip(it.ufp_positions, it.ufp_margins, it.branches):
     ax.axvline(pos, color="#d62728", ls="--", lw=1, zorder=0)
-    ax.text(pos, 0.55, f"focal point\nmargin {margin:.2f}, {b} alt.", color="#d62728",
-            ha="center", va="bottom", fontsize=7)
+    ax.text(pos, 0.5, f"focal point\nmargin {margin:.2f}, {b} alt.", color="#d62728",
+            ha="center", va="bottom", fontsize=7, zorder=4,
+            bbox=dict(facecolor="white", edgecolor="none", pad=1))
   ax.set_yticks([-lane for lane in range(lanes)],
                 ["branch 0"] + [f"repair {r}" for r in range(1, lanes)])
+  ax.set_xticks(range(int(it.depth[nodes].max()) + 1))
   ax.set_xlabel("depth (block position)")
   ax.set_ylim(-lanes + 0.4, 1.3)
   ax.set_xlim(-0.6, int(it.depth[nodes].max()) + 0.6)
@@ -69,8 +71,8 @@ def draw_tree(it, tokenizer=None, ax=None, title: str | None = None):
   ax.legend(handles=[Patch(color=COLORS[k], label=label) for k, label in
                      (("root", "root (anchor)"), ("won", "winning path"),
                       ("accepted", "accepted, not chosen"), ("rejected", "rejected"))],
-            loc="lower right", fontsize=7, ncol=4, frameon=False,
-            bbox_to_anchor=(1.0, 1.02 + 0.1 / lanes))
+            loc="upper center", fontsize=7, ncol=4, frameon=False,
+            bbox_to_anchor=(0.5, -0.25 / lanes - 0.12))
   ax.set_title(title or (f"iteration {it.index}: {len(nodes)} nodes, winner "
                          f"{'branch 0' if it.winning_branch == 0 else f'repair {it.winning_branch}'}"
                          f", {len(it.path) - 1} accepted + bonus"), loc="left", fontsize=9)
@@ -95,6 +97,7 @@ def draw_cost_curve(ax, curve: Mapping[int, float], fontsize: int = 7):
   ax.set_xlabel("tree nodes n")
   ax.set_ylabel("ms per target forward")
   ax.set_title("verification cost curve")
+  ax.set_ylim(bottom=0)
   ax.legend(fontsize=fontsize)
   return ax
 
