@@ -17,7 +17,7 @@ from cure_jax.cache import KVCache
 from cure_jax.generation import Generator
 from tests.test_tree import _random_block, cases
 
-SETTINGS = settings(max_examples=12, deadline=None)
+SETTINGS = settings(max_examples=15, deadline=None)
 BATCH = 3  # _random_block's batch
 
 
@@ -296,3 +296,39 @@ def test_a_python_int_leaking_into_the_spec_fails_the_trace_count(monkeypatch):
   gen.generate(random_models.prompts(0, ARCH.vocab, 1, lo=4, hi=4))
   with pytest.raises(AssertionError, match="is traced > 1 times"):
     gen.generate(random_models.prompts(0, ARCH.vocab, 1, lo=5, hi=5))
+
+
+# ----------------------------------------------------------------------------- boundary asserts
+
+_B, _K, _VOCAB = 2, 6, 8
+_DRAFT, _ANCHOR, _LIMIT = (jnp.zeros((_B, _K - 1), jnp.int32), jnp.zeros((_B,), jnp.int32),
+                           jnp.full((_B,), _K - 1, jnp.int32))
+_CFG = repair.RepairConfig(max_depth=_K - 1)
+_BUILD = jax.jit(tree_lib.build, static_argnames="v_max")
+_TREE = tree_lib.build(_ANCHOR, _DRAFT, _LIMIT, v_max=_K)
+BAD_INPUTS = {  # name -> (call, what chex reports)
+    "build_anchor_rank": (lambda: _BUILD(_ANCHOR[:, None], _DRAFT, _LIMIT, v_max=_K), "assert_shape"),
+    "build_float_draft": (lambda: _BUILD(_ANCHOR, _DRAFT * 1.0, _LIMIT, v_max=_K), "assert_type"),
+    "build_path_rows": (lambda: _BUILD(_ANCHOR, _DRAFT, _LIMIT, v_max=_K,
+                                       path_tokens=jnp.zeros((_B, 2, _K), jnp.int32),
+                                       path_depth=jnp.ones((_B, 2), jnp.int32),
+                                       path_valid=jnp.ones((_B, 2), bool)), "assert_shape"),
+    "select_transposed_logits": (lambda: jax.jit(repair.select, static_argnames="cfg")(
+        jnp.zeros((_B, _VOCAB, _K - 1)), _DRAFT, _LIMIT, cfg=_CFG), "assert_shape"),
+    "select_int_logits": (lambda: repair.select(jnp.zeros((_B, _K - 1, _VOCAB), jnp.int32),
+                                                _DRAFT, _LIMIT, _CFG), "assert_type"),
+    "greedy_float_argmax": (lambda: jax.jit(verify.greedy, static_argnames="length")(
+        _TREE, jnp.zeros((_B, _K)), length=_K), "assert_type"),
+    "greedy_short_argmax": (lambda: verify.greedy(_TREE, jnp.zeros((_B, _K - 1), jnp.int32), _K),
+                            "assert_equal_shape"),
+    "stochastic_p_rank": (lambda: verify.stochastic(_TREE, jnp.zeros((_B, _K)), None, None,
+                                                    jax.random.key(0), _K, 1), "assert_shape"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_public_boundaries_reject_wrong_shapes_and_types(name):
+  """The static asserts at the public boundaries fire at trace time, under jit too."""
+  call, check = BAD_INPUTS[name]
+  with pytest.raises(AssertionError, match=rf"\[Chex\] Assertion {check} failed"):
+    call()
