@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cure_jax import decoding, verify
+from cure_jax import decoding
 from cure_jax.generation import Generator, prompt_bucket
 
 
@@ -31,7 +31,9 @@ class Iteration:
   valid: np.ndarray            # [V] bool
   branch: np.ndarray           # [V] 0 = branch 0, r + 1 = repair path r, -1 = padding
   accepted: np.ndarray         # [V] bool: the target accepted the node's whole root path
-  path: list[int]              # the winning path's nodes, root first (accepted nodes only)
+  path: list[int]              # the winning path's nodes, root first
+  # Under greedy verification the accepted nodes are exactly the winning path: siblings carry
+  # distinct tokens and only one of them can be the target's argmax at their parent.
   winning_branch: int
   next_token: int              # the bonus token
   emitted: list[int]           # tokens this iteration appended to the output
@@ -54,14 +56,12 @@ def prefill_state(generator: Generator, prompt: Sequence[int]):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _step(graphdef, params, state, *, spec):
-  """decoding.iteration, also returning the proposal, the verdict and the accepted nodes."""
+  """decoding.iteration, also returning the proposal and the verdict."""
   target, drafter = nnx.merge(graphdef, params)
   proposal, dcache = decoding.propose(target, drafter, spec, state)
-  verdict, out = decoding.verify_tree(target, spec, state, proposal)
-  argmax = jnp.argmax(target.logits(out.hidden), axis=-1).astype(jnp.int32)   # [B, V]
-  accepted = verify.accepted_nodes(proposal.tree, verify.correct_nodes(proposal.tree, argmax))
-  new = decoding.commit(drafter, spec, state, proposal, dcache, verdict, out)
-  return new, proposal, verdict, accepted
+  verdict, verified = decoding.verify_tree(target, spec, state, proposal)
+  new = decoding.commit(drafter, spec, state, proposal, dcache, verdict, verified)
+  return new, proposal, verdict
 
 
 @dataclasses.dataclass
@@ -84,18 +84,17 @@ def replay(generator: Generator, prompt: Sequence[int]) -> Replay:
   out = []
   while not bool(state.done[0]) and int(state.step) < spec.max_new_tokens:
     before = int(state.produced[0])
-    state, proposal, verdict, accepted = _step(generator.graphdef, generator.params, state,
-                                               spec=spec)
-    t, (st, v, acc) = proposal.tree, jax.device_get((state, verdict, accepted))
+    state, proposal, verdict = _step(generator.graphdef, generator.params, state, spec=spec)
+    t, (st, v) = proposal.tree, jax.device_get((state, verdict))
     a = int(v.accepted[0])
+    path = [int(n) for n in v.path[0, :a + 1]]
     gate = proposal.gate
     ufp = [] if gate is None else [int(x) for x in gate.positions[0] if x > 0]
     keep = slice(0, len(ufp))
     out.append(Iteration(
         index=len(out), tokens=np.asarray(t.tokens[0]), parent=np.asarray(t.parent[0]),
         depth=np.asarray(t.depth[0]), valid=np.asarray(t.valid[0]),
-        branch=np.asarray(t.branch[0]), accepted=np.asarray(acc[0]),
-        path=[int(n) for n in v.path[0, :a + 1]],
+        branch=np.asarray(t.branch[0]), accepted=np.isin(np.arange(t.size), path), path=path,
         winning_branch=int(np.asarray(t.branch[0])[int(v.winner[0])]),
         next_token=int(v.next_token[0]),
         emitted=[int(x) for x in st.tokens[0, before:int(st.produced[0])]],

@@ -38,17 +38,13 @@ def accepted_nodes(tree: Tree, correct):
   return tree.valid & ~jnp.any(tree.ancestors & ~ok[:, None, :], axis=-1)
 
 
-def correct_nodes(tree: Tree, target_argmax):
-  """[B, V] nodes whose token is the target's argmax at their parent (the root counts)."""
+def greedy(tree: Tree, target_argmax, length: int) -> Verdict:
+  """target_argmax [B, V]: the target's greedy token after each node."""
   chex.assert_equal_shape([target_argmax, tree.tokens, tree.parent, tree.depth, tree.valid])
   chex.assert_type([target_argmax, tree.tokens, tree.parent], int)
   at_parent = jnp.take_along_axis(target_argmax, jnp.maximum(tree.parent, 0), axis=1)
-  return (tree.parent < 0) | (tree.tokens == at_parent)
-
-
-def greedy(tree: Tree, target_argmax, length: int) -> Verdict:
-  """target_argmax [B, V]: the target's greedy token after each node."""
-  ok = accepted_nodes(tree, correct_nodes(tree, target_argmax))
+  correct = (tree.parent < 0) | (tree.tokens == at_parent)
+  ok = accepted_nodes(tree, correct)
   reach = jnp.where(ok, tree.depth, -1)
   winner = jnp.argmax(reach, axis=1).astype(jnp.int32)
   b0 = jnp.max(jnp.where(ok & (tree.branch == 0), tree.depth, 0), axis=1)

@@ -12,8 +12,7 @@ import numpy as np
 
 from cure_jax import diagnostics
 
-COLORS = dict(root="#4c72b0", won="#2ca02c", accepted="#b7e4b0", rejected="#eeeeee",
-              edge="#999999")
+COLORS = dict(root="#4c72b0", won="#2ca02c", rejected="#eeeeee", edge="#999999")
 
 
 def _axis(ax, size):
@@ -34,14 +33,15 @@ def token_label(token: int, tokenizer=None, width: int = 6) -> str:
 
 def draw_tree(it, tokenizer=None, ax=None, title: str | None = None):
   """One iteration's candidate tree (a `replay.Iteration`): depth left to right, branch 0 on
-  the top lane and each repair path on a lane below; green = accepted by the target (dark: the
-  winning path), grey = rejected; the dashed line marks each focal point the gate chose."""
+  the top lane and each repair path on a lane below; green = accepted by the target (under greedy
+  verification that is the winning path), grey = rejected; the dashed line marks each focal
+  point the gate chose."""
   from matplotlib.patches import Patch
 
   nodes = np.flatnonzero(it.valid)
   lanes = int(max(it.branch[nodes].max(), 0)) + 1
   ax = _axis(ax, (max(6.5, 1.0 + 0.85 * int(it.depth[nodes].max() + 1)), 1.4 + 0.75 * lanes))
-  won = set(it.path)
+  won = set(it.path)  # the edges drawn bold
   xy = {int(n): (int(it.depth[n]), -max(int(it.branch[n]), 0)) for n in nodes}
   for n in nodes[1:]:
     (x0, y0), (x1, y1) = xy[int(it.parent[n])], xy[int(n)]
@@ -50,8 +50,7 @@ def draw_tree(it, tokenizer=None, ax=None, title: str | None = None):
             lw=2.5 if on_path else 1.0, zorder=1)
   for n in nodes:
     x, y = xy[int(n)]
-    kind = ("root" if n == 0 else "won" if int(n) in won else
-            "accepted" if it.accepted[n] else "rejected")
+    kind = "root" if n == 0 else "won" if it.accepted[n] else "rejected"
     ax.scatter([x], [y], s=900, color=COLORS[kind], edgecolors="k", linewidths=0.6, zorder=2)
     ax.text(x, y, token_label(it.tokens[n], tokenizer), ha="center", va="center", fontsize=6.5,
             color="white" if kind in ("root", "won") else "black", zorder=3)
@@ -69,9 +68,9 @@ def draw_tree(it, tokenizer=None, ax=None, title: str | None = None):
   for side in ("top", "right", "left"):
     ax.spines[side].set_visible(False)
   ax.legend(handles=[Patch(color=COLORS[k], label=label) for k, label in
-                     (("root", "root (anchor)"), ("won", "winning path"),
-                      ("accepted", "accepted, not chosen"), ("rejected", "rejected"))],
-            loc="upper center", fontsize=7, ncol=4, frameon=False,
+                     (("root", "root (anchor)"), ("won", "accepted: the winning path"),
+                      ("rejected", "rejected, or below a rejected node"))],
+            loc="upper center", fontsize=7, ncol=3, frameon=False,
             bbox_to_anchor=(0.5, -0.25 / lanes - 0.12))
   ax.set_title(title or (f"iteration {it.index}: {len(nodes)} nodes, winner "
                          f"{'branch 0' if it.winning_branch == 0 else f'repair {it.winning_branch}'}"

@@ -19,20 +19,23 @@ def test_replay_equals_the_compiled_loop(method):
   cure = repair.RepairConfig(tau_margin=1e9, v_max=30, max_depth=ARCH.block_size - 1)
   gen = Generator(target, drafter, method=method, max_new_tokens=24,
                   cure=cure if method == "cure" else None)
+  ar = Generator(target, method="ar", max_new_tokens=24)
   wins = 0
   for prompt in random_models.prompts(2, ARCH.vocab, 3):
     ref = gen.generate([prompt])[0]
     run = replay.replay(gen, prompt)
-    assert run.output_ids == ref.output_ids
+    assert run.output_ids == ref.output_ids == ar.generate([prompt])[0].output_ids
     assert [len(it.emitted) for it in run.iterations] == ref.accept_lengths
+    done = 1
     for it in run.iterations:
-      # The winning path is accepted node by node, from the root, one level at a time.
-      assert it.accepted[it.path].all() and list(it.depth[it.path]) == list(range(len(it.path)))
+      # The winning path runs from the root one level at a time, and its nodes hold the
+      # target's own greedy tokens at those positions, then the bonus token.
+      assert it.path[0] == 0 and list(it.depth[it.path]) == list(range(len(it.path)))
       assert all(it.parent[b] == a for a, b in zip(it.path, it.path[1:]))
-      # It is the deepest accepted node (ties: branch 0, the lowest index).
-      assert len(it.path) - 1 == it.depth[it.accepted].max()
-      assert it.emitted == ([int(it.tokens[n]) for n in it.path[1:]] + [it.next_token]
-                            )[:len(it.emitted)]
+      along = [int(it.tokens[n]) for n in it.path[1:]] + [it.next_token]
+      assert it.emitted == along[:len(it.emitted)] == run.output_ids[done:done + len(it.emitted)]
+      assert it.accepted.sum() == len(it.path) and it.valid[it.accepted].all()
+      done += len(it.emitted)
       wins += it.winning_branch > 0
   if method == "cure":
     assert wins > 0  # the pictures need repair wins to show
