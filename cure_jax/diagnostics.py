@@ -336,6 +336,22 @@ def markdown(d: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def draw_margins(ax, d: dict) -> None:
+  """The margin histogram of a diagnose() dict on a matplotlib axis, with the gate threshold."""
+  h = d["margin_hist"]
+  edges = h["edges"]
+  width = edges[1] - edges[0]
+  ax.bar(edges, h["counts"], width=width, align="edge", alpha=0.5, label="all block positions")
+  if d.get("first_rejection_margin_hist"):
+    ax.bar(edges, d["first_rejection_margin_hist"]["counts"], width=width, align="edge",
+           alpha=0.8, label="first rejections")
+  ax.axvline(d["tau"], color="k", ls="--", label=f"tau={d['tau']:g}")
+  ax.set_xlabel(f"draft top-1 - top-2 logit margin (last bin: >= {h['overflow_from']:g})")
+  ax.set_ylabel("positions")
+  ax.set_title("Draft margins")
+  ax.legend()
+
+
 def plot(d: dict, margins_png: str | None, rejection_png: str | None, save) -> list[str]:
   """Margin and first-rejection histograms; `save(fig, path)` writes a figure. Returns paths."""
   import matplotlib
@@ -344,19 +360,7 @@ def plot(d: dict, margins_png: str | None, rejection_png: str | None, save) -> l
   written = []
   if margins_png and d.get("margin_hist"):
     fig, ax = plt.subplots(figsize=(7, 4))
-    h = d["margin_hist"]
-    edges = h["edges"]
-    width = edges[1] - edges[0]
-    labels = "all block positions"
-    ax.bar(edges, h["counts"], width=width, align="edge", alpha=0.5, label=labels)
-    if d.get("first_rejection_margin_hist"):
-      ax.bar(edges, d["first_rejection_margin_hist"]["counts"], width=width, align="edge",
-             alpha=0.8, label="first rejections")
-    ax.axvline(d["tau"], color="k", ls="--", label=f"tau={d['tau']:g}")
-    ax.set_xlabel(f"draft top-1 - top-2 logit margin (last bin: >= {h['overflow_from']:g})")
-    ax.set_ylabel("positions")
-    ax.set_title("Draft margins")
-    ax.legend()
+    draw_margins(ax, d)
     save(fig, margins_png)
     plt.close(fig)
     written.append(margins_png)

@@ -7,6 +7,7 @@ alternatives cover most of the vocabulary), so acceptance and repair wins actual
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +71,26 @@ def ar_drafter(arch: Arch, seed: int) -> Qwen3:
 def prompts(seed: int, vocab: int, count: int, lo: int = 3, hi: int = 12) -> list[list[int]]:
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab - 1, rng.integers(lo, hi + 1)).tolist() for _ in range(count)]
+
+
+def write_hf(root, target: Qwen3, drafter: DFlash) -> tuple[Path, Path]:
+  """HF directories root/target and root/drafter for a (target, DFlash drafter) pair: the layout
+  the converters read, so a random pair goes through the same loading path as a real one."""
+  from convert import checkpoint, qwen3
+  root = Path(root)
+  t, d = target.cfg, drafter.cfg
+  common = dict(hidden_size=t.hidden_size, num_attention_heads=t.num_heads,
+                num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_eps,
+                rope_theta=t.rope.theta)
+  target_config = dict(common, model_type="qwen3", vocab_size=t.vocab_size,
+                       intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
+                       tie_word_embeddings=t.tie_embeddings)
+  drafter_config = dict(common, model_type="qwen3", intermediate_size=d.intermediate_size,
+                        num_hidden_layers=d.num_layers, block_size=d.block_size,
+                        num_target_layers=t.num_layers,
+                        dflash_config=dict(mask_token_id=d.mask_token_id,
+                                           target_layer_ids=list(d.target_layer_ids)))
+  checkpoint.export_hf(nnx.state(target), root / "target", qwen3.hf_name, target_config)
+  checkpoint.export_hf(nnx.state(drafter), root / "drafter", lambda p: checkpoint.hf_name(p),
+                       drafter_config)
+  return root / "target", root / "drafter"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -147,6 +148,11 @@ def select(logits, draft, draft_len, cfg: RepairConfig):
   Returns the Gate and the alternatives [B, K-1, b_max]: the best-ranked tokens other than the
   drafted one (ranks 2..b_max+1 under greedy drafting).
   """
+  chex.assert_rank(logits, 3)
+  b, km1, _ = logits.shape
+  chex.assert_shape(draft, (b, km1))
+  chex.assert_shape(draft_len, (b,))
+  chex.assert_type([logits, draft, draft_len], [float, int, int])
   top, idx = top_k(logits, cfg.b_max + 1)                                   # [B, K-1, b_max+1]
   margins = top[..., 0] - top[..., 1]
   if cfg.dynamic:
@@ -174,7 +180,10 @@ def select(logits, draft, draft_len, cfg: RepairConfig):
       margins=jnp.where(chosen_ok, jnp.take_along_axis(margins, chosen, axis=1), 0.0),
       branches=jnp.where(chosen_ok, jnp.take_along_axis(budget, chosen, axis=1), 0),
   )
-  return gate, jnp.take_along_axis(idx, excluding(idx, draft, cfg.b_max), axis=-1)
+  alternatives = jnp.take_along_axis(idx, excluding(idx, draft, cfg.b_max), axis=-1)
+  chex.assert_shape([gate.positions, gate.margins, gate.branches], (b, u))
+  chex.assert_shape(alternatives, (b, km1, cfg.b_max))
+  return gate, alternatives
 
 
 def repair_paths(gate: Gate, alternatives, num_paths: int):
@@ -182,7 +191,11 @@ def repair_paths(gate: Gate, alternatives, num_paths: int):
 
   Returns focal depth [B, R], substituted token [B, R] and validity [B, R].
   """
+  chex.assert_rank(gate.positions, 2)
   b, u = gate.positions.shape
+  chex.assert_shape([gate.margins, gate.branches], (b, u))
+  chex.assert_shape(alternatives, (b, None, None))
+  chex.assert_type([gate.positions, gate.branches, alternatives], int)
   b_max = alternatives.shape[-1]
   rank = jnp.arange(b_max)
   pair_ok = (rank[None, None] < gate.branches[..., None]).reshape(b, u * b_max)
@@ -192,4 +205,5 @@ def repair_paths(gate: Gate, alternatives, num_paths: int):
   depth = jnp.take_along_axis(gate.positions, order // b_max, axis=1)
   alt_rows = jnp.take_along_axis(alternatives, jnp.maximum(depth - 1, 0)[..., None], axis=1)
   alt = jnp.take_along_axis(alt_rows, (order % b_max)[..., None], axis=2)[..., 0]
+  chex.assert_shape([depth, alt, valid], (b, min(num_paths, u * b_max)))
   return jnp.where(valid, depth, 1), jnp.where(valid, alt, 0), valid

@@ -11,6 +11,7 @@ long accepted paths resolve to branch 0 by taking the lowest index.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -75,13 +76,19 @@ def build(anchor, draft, depth_limit, *, v_max: int, keep_branch0: bool = True,
   row of each repair path (only depths >= path_depth are used); path_depth: [B, R] focal depth
   j_r in 1..K-1; path_valid: [B, R].
   """
+  chex.assert_rank(draft, 2)
   b, km1 = draft.shape
   k = km1 + 1
+  chex.assert_shape([anchor, depth_limit], (b,))
+  chex.assert_type([anchor, draft, depth_limit], int)
   if path_tokens is None:
     path_tokens = jnp.zeros((b, 0, km1), draft.dtype)
     path_depth = jnp.zeros((b, 0), jnp.int32)
     path_valid = jnp.zeros((b, 0), bool)
+  chex.assert_shape(path_tokens, (b, None, km1))
   r = path_tokens.shape[1]
+  chex.assert_shape([path_depth, path_valid], (b, r))
+  chex.assert_type([path_tokens, path_depth, path_valid], [int, int, bool])
   d = jnp.arange(1, k)                                                      # [K-1]
 
   # Branch 0 (with the root first).
@@ -128,5 +135,7 @@ def build(anchor, draft, depth_limit, *, v_max: int, keep_branch0: bool = True,
   tokens = jnp.where(valid, _gather(tokens, order), 0)
   depth = jnp.where(valid, _gather(depth, order), 0)
   branch = jnp.where(valid, _gather(branch, order), PAD)
+  v = min(v_max, n_raw)
+  chex.assert_shape([tokens, parent, depth, valid, branch, order], (b, v))
   return Tree(tokens=tokens, parent=parent, depth=depth, valid=valid, branch=branch,
               source=order.astype(jnp.int32), ancestors=ancestor_mask(parent, valid, km1))

@@ -7,6 +7,7 @@ is branch 0 by the tree's layout); the bonus token is the target's argmax at the
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -39,15 +40,19 @@ def accepted_nodes(tree: Tree, correct):
 
 def greedy(tree: Tree, target_argmax, length: int) -> Verdict:
   """target_argmax [B, V]: the target's greedy token after each node."""
+  chex.assert_equal_shape([target_argmax, tree.tokens, tree.parent, tree.depth, tree.valid])
+  chex.assert_type([target_argmax, tree.tokens, tree.parent], int)
   at_parent = jnp.take_along_axis(target_argmax, jnp.maximum(tree.parent, 0), axis=1)
   correct = (tree.parent < 0) | (tree.tokens == at_parent)
   ok = accepted_nodes(tree, correct)
   reach = jnp.where(ok, tree.depth, -1)
   winner = jnp.argmax(reach, axis=1).astype(jnp.int32)
   b0 = jnp.max(jnp.where(ok & (tree.branch == 0), tree.depth, 0), axis=1)
+  path = path_to(tree, winner, length)
+  chex.assert_shape(path, (tree.tokens.shape[0], length))
   return Verdict(
       accepted=jnp.max(reach, axis=1),
-      path=path_to(tree, winner, length),
+      path=path,
       next_token=jnp.take_along_axis(target_argmax, winner[:, None], axis=1)[:, 0],
       winner=winner,
       branch0_accepted=b0,
@@ -76,7 +81,12 @@ def stochastic(tree: Tree, p, q, deterministic, key, length: int, max_children: 
   a child x is accepted with probability min(1, r(x) / q(x)); on rejection the residual becomes
   r <- normalize(max(r - q, 0)). When no child is accepted the bonus token is drawn from r.
   """
-  b = tree.tokens.shape[0]
+  b, v = tree.tokens.shape
+  chex.assert_shape(p, (b, v, None))
+  chex.assert_type(p, float)
+  if q is not None:  # None where no node is ever tested (a root-only tree)
+    chex.assert_equal_shape([p, q])
+    chex.assert_shape(deterministic, (b, v))
   n_vocab = p.shape[-1]
   node = jnp.zeros((b,), jnp.int32)
   alive = jnp.ones((b,), bool)

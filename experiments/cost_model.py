@@ -156,15 +156,10 @@ def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, fl
   after prefill): draft + tree build, target verification, commit + resync. Each phase is jitted
   alone here, so the sum exceeds the fused loop's iteration time by the dispatch overheads."""
   from cure_jax import decoding
-  from cure_jax.generation import prompt_bucket
+  from cure_jax.replay import prefill_state
 
-  max_len = generator.cache_len(len(prompt))
-  spec = generator.spec(max_len)
+  spec, state = prefill_state(generator, prompt)
   graphdef, params = generator.graphdef, generator.params
-  padded = np.zeros((1, prompt_bucket(len(prompt))), np.int32)
-  padded[0, :len(prompt)] = prompt
-  state = decoding.prefill(graphdef, params, jnp.asarray(padded), jnp.asarray([len(prompt)]),
-                           jax.random.key(0), spec=spec)
 
   @jax.jit
   def draft(params, st):
@@ -177,15 +172,15 @@ def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, fl
     return decoding.verify_tree(target, spec, st, proposal)
 
   @jax.jit
-  def commit(params, st, proposal, dcache, verdict, out):
+  def commit(params, st, proposal, dcache, verdict, verified):
     _, drafter = nnx.merge(graphdef, params)
-    return decoding.commit(drafter, spec, st, proposal, dcache, verdict, out)
+    return decoding.commit(drafter, spec, st, proposal, dcache, verdict, verified)
 
   proposal, dcache = draft(params, state)
-  verdict, out = verify(params, state, proposal)
+  verdict, verified = verify(params, state, proposal)
   return dict(draft_and_tree_ms=_time(draft, params, state, repeats=repeats),
               verify_ms=_time(verify, params, state, proposal, repeats=repeats),
-              commit_and_resync_ms=_time(commit, params, state, proposal, dcache, verdict, out,
+              commit_and_resync_ms=_time(commit, params, state, proposal, dcache, verdict, verified,
                                          repeats=repeats))
 
 

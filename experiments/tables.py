@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cure_jax import diagnostics, pipeline, scorer
+from cure_jax import diagnostics, pipeline, scorer, viz
 from cure_jax.drafting import TREE_METHODS
 from cure_jax.generation import Result
 from experiments import cost_model
@@ -607,14 +607,7 @@ def _plot_sweep(rows: list[dict], curve: dict, path: str) -> str:
   ax.set_ylabel("speedup vs ar")
   ax.axhline(1.0, color="k", lw=0.5)
   ax.legend(fontsize=7)
-  ax = axes[2]
-  ns = sorted(curve)
-  ax.plot(ns, [curve[n] for n in ns], "o-", label="measured C_v(n)")
-  ax.plot(ns, [curve[ns[0]]] * len(ns), "--", label="flat GPU-like")
-  ax.set_xlabel("tree nodes n")
-  ax.set_ylabel("ms per target forward")
-  ax.set_title("verification cost curve")
-  ax.legend(fontsize=7)
+  viz.draw_cost_curve(axes[2], curve)
   fig.tight_layout()
   save_figure(fig, path)
   plt.close(fig)

@@ -13,6 +13,7 @@ import sys
 import types
 from pathlib import Path
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -108,7 +109,7 @@ def test_features_use_hidden_states_index_plus_one(parity):
                       generator=torch.Generator().manual_seed(2))
   expected = reference_features(parity.pair, ids).numpy()
   ours = causal_forward(parity.target, jnp.asarray(ids.numpy()), cfg.feature_layers).features
-  np.testing.assert_allclose(np.asarray(ours), expected, rtol=0, atol=TOL)
+  chex.assert_trees_all_close(np.asarray(ours), expected, rtol=0, atol=TOL)
   unshifted = causal_forward(parity.target, jnp.asarray(ids.numpy()), cfg.target_layer_ids)
   assert np.abs(np.asarray(unshifted.features) - expected).max() > 100 * TOL
 
@@ -150,7 +151,7 @@ def test_block_logits_match_reference(parity, short_block):
     feats[i, :lengths[i]] = f[0].numpy()
   logits = our_block_logits(target, drafter, jnp.asarray(feats), jnp.asarray(lengths),
                             jnp.asarray(anchors), verify_size)
-  np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=TOL)
+  chex.assert_trees_all_close(np.asarray(logits), expected, rtol=0, atol=TOL)
 
 
 @pytest.fixture(scope="module", params=list(CHAIN))

@@ -3,6 +3,7 @@
 import functools
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,9 +110,9 @@ def case(request, tmp_path_factory):
 def test_logits_and_features_match_transformers(case):
   feature_layers = (0, 1, case.model.cfg.num_layers)
   logits, features, _ = prefill(case.model, case.tokens, feature_layers)
-  np.testing.assert_allclose(np.asarray(logits), case.logits, rtol=0, atol=TOL)
+  chex.assert_trees_all_close(np.asarray(logits), case.logits, rtol=0, atol=TOL)
   expected = np.concatenate([case.hidden_states[i] for i in feature_layers], axis=-1)
-  np.testing.assert_allclose(np.asarray(features), expected, rtol=0, atol=TOL)
+  chex.assert_trees_all_close(np.asarray(features), expected, rtol=0, atol=TOL)
 
 
 def test_incremental_decoding_through_cache(case):
@@ -122,7 +123,7 @@ def test_incremental_decoding_through_cache(case):
     step_logits, cache = decode_step(case.model, cache, case.tokens[:, t], t)
     logits.append(np.asarray(step_logits)[:, None])
   np.testing.assert_array_equal(cache.lengths, LENGTH)
-  np.testing.assert_allclose(np.concatenate(logits, axis=1), case.logits, rtol=0, atol=TOL)
+  chex.assert_trees_all_close(np.concatenate(logits, axis=1), case.logits, rtol=0, atol=TOL)
 
 
 def test_bfloat16_load_is_close_to_float32(case):
@@ -130,7 +131,7 @@ def test_bfloat16_load_is_close_to_float32(case):
   assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16
   logits = np.asarray(prefill(model, case.tokens)[0])
   scale = np.abs(case.logits).max()
-  np.testing.assert_allclose(logits, case.logits, rtol=0, atol=0.05 * scale)
+  chex.assert_trees_all_close(logits, case.logits, rtol=0, atol=0.05 * scale)
 
 
 def test_greedy_generation_matches_transformers_generate(case):

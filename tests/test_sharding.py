@@ -104,34 +104,13 @@ def test_parameters_take_one_mth_per_device():
   assert on_dev0 < 0.3 * total   # norms and the replicated DFlash fc are the rest
 
 
-def _write_models(root: Path, target, drafter):
-  """HF directories for a random target and DFlash drafter (the layout the converters read)."""
-  from convert import checkpoint, qwen3
-  t, d = target.cfg, drafter.cfg
-  common = dict(hidden_size=t.hidden_size, num_attention_heads=t.num_heads,
-                num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_eps,
-                rope_theta=t.rope.theta)
-  target_config = dict(common, model_type="qwen3", vocab_size=t.vocab_size,
-                       intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
-                       tie_word_embeddings=t.tie_embeddings)
-  drafter_config = dict(common, model_type="qwen3", intermediate_size=d.intermediate_size,
-                        num_hidden_layers=d.num_layers, block_size=d.block_size,
-                        num_target_layers=t.num_layers,
-                        dflash_config=dict(mask_token_id=d.mask_token_id,
-                                           target_layer_ids=list(d.target_layer_ids)))
-  checkpoint.export_hf(nnx.state(target), root / "target", qwen3.hf_name, target_config)
-  checkpoint.export_hf(nnx.state(drafter), root / "drafter", lambda p: checkpoint.hf_name(p),
-                       drafter_config)
-  return root / "target", root / "drafter"
-
-
 @on_mesh
 def test_pipeline_loads_straight_onto_the_mesh(tmp_path):
   from configs import common
   from convert.qwen3 import convert_hf, load_target
   from cure_jax import pipeline
   target, drafter = random_models.pair(ARCH, 5)   # test_sharded_decoding's ar compile is reused
-  target_dir, drafter_dir = _write_models(tmp_path, target, drafter)
+  target_dir, drafter_dir = random_models.write_hf(tmp_path, target, drafter)
   config = common.base_config()
   config.method = "ar"
   config.max_new_tokens = MAX_NEW
@@ -180,7 +159,7 @@ def test_settings_that_cannot_be_split_are_named(tmp_path):
   # Through the pipeline, from config.json, before any weight is read.
   from configs import common
   from cure_jax import pipeline
-  target_dir, _ = _write_models(tmp_path, target, drafter)
+  target_dir, _ = random_models.write_hf(tmp_path, target, drafter)
   config = common.base_config()
   config.target.path = str(target_dir)
   config.mesh.data, config.mesh.model = 2, 4
