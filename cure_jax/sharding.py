@@ -201,9 +201,11 @@ def to_host(tree):
   return jax.tree.map(get, tree)
 
 
-def compile_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
-  """Compiled (prefill, decode) for sharded params: the same jitted functions as the unsharded
-  path, wrapped so that the state's shardings are fixed at their boundaries (decode donates it)."""
+def lower_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
+  """Lowered (prefill, decode) for sharded params: the same jitted functions as the unsharded
+  path, wrapped so that the state's shardings are fixed at their boundaries (decode donates it).
+  `params` may be abstract (ShapeDtypeStructs with shardings): nothing is allocated, so a mesh
+  of compile-only devices (jax.experimental.topologies) works too."""
   from cure_jax import decoding  # decoding does not import this module; keep it that way
 
   rows = NamedSharding(mesh, P(DATA, None))
@@ -222,6 +224,12 @@ def compile_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh
   out = decoding_state_shardings(shapes, mesh)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                        out)
-  pre = jax.jit(prefill, out_shardings=out).lower(params, prompt, plen, key_data).compile()
-  dec = jax.jit(decode, out_shardings=out, donate_argnums=1).lower(params, state).compile()
+  pre = jax.jit(prefill, out_shardings=out).lower(params, prompt, plen, key_data)
+  dec = jax.jit(decode, out_shardings=out, donate_argnums=1).lower(params, state)
   return pre, dec
+
+
+def compile_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
+  """Compiled (prefill, decode) of lower_decoding."""
+  pre, dec = lower_decoding(graphdef, params, spec, batch, bucket, mesh)
+  return pre.compile(), dec.compile()

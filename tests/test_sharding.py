@@ -107,18 +107,7 @@ def test_parameters_take_one_mth_per_device():
 def _write_models(root: Path, target, drafter):
   """HF directories for a random target and DFlash drafter (the layout the converters read)."""
   from convert import checkpoint, qwen3
-  t, d = target.cfg, drafter.cfg
-  common = dict(hidden_size=t.hidden_size, num_attention_heads=t.num_heads,
-                num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_eps,
-                rope_theta=t.rope.theta)
-  target_config = dict(common, model_type="qwen3", vocab_size=t.vocab_size,
-                       intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
-                       tie_word_embeddings=t.tie_embeddings)
-  drafter_config = dict(common, model_type="qwen3", intermediate_size=d.intermediate_size,
-                        num_hidden_layers=d.num_layers, block_size=d.block_size,
-                        num_target_layers=t.num_layers,
-                        dflash_config=dict(mask_token_id=d.mask_token_id,
-                                           target_layer_ids=list(d.target_layer_ids)))
+  target_config, drafter_config = random_models.hf_configs(target.cfg, drafter.cfg)
   checkpoint.export_hf(nnx.state(target), root / "target", qwen3.hf_name, target_config)
   checkpoint.export_hf(nnx.state(drafter), root / "drafter", lambda p: checkpoint.hf_name(p),
                        drafter_config)
