@@ -3,7 +3,7 @@
 The mesh has two axes. `model` splits every big matrix Megatron-style: q/k/v and gate/up kernels
 on their output (head / intermediate) axis, o_proj and down_proj on their input axis, the
 embedding [V, H] and lm_head [H, V] on the vocabulary; norms and the DFlash `fc` are replicated.
-`data` splits the batch: KV caches [L, B, S, KVH, D] are sharded (None, data, None, model, None)
+`data` splits the batch: KV caches [L, B, KVH, S, D] are sharded (None, data, model, None, None)
 and every per-sequence array of the decoding state on its leading batch axis. Parameters are
 replicated over `data`.
 
@@ -43,7 +43,7 @@ RULES: tuple[tuple[str, tuple, str | None], ...] = (
     (r"(^|/)fc/kernel$", (None, None), None),        # DFlash feature projection: replicated
     (r"(^|/)[a-z_]*norm/weight$", (None,), None),   # every RMSNorm (incl. q_norm, k_norm)
 )
-CACHE_SPEC = P(None, DATA, None, MODEL, None)      # KV caches [L, B, S, KVH, D]
+CACHE_SPEC = P(None, DATA, MODEL, None, None)      # KV caches [L, B, KVH, S, D]
 
 
 def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:

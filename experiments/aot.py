@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from convert import dflash as convert_dflash, qwen3 as convert_qwen3
 from convert.checkpoint import read_hf_config
-from cure_jax import pipeline, repair, sharding
+from cure_jax import pipeline, sharding
+from cure_jax.cache import KVCache
 from cure_jax.generation import decoding_spec
 from experiments import hlo_traffic, report
 
@@ -153,28 +154,33 @@ def per_chip_bytes(tree) -> float:
   return total
 
 
+def abstract_cache(model, batch: int, max_len: int, mesh):
+  """The model's KV cache as ShapeDtypeStructs with the decode loop's shardings."""
+  cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
+  kv = NamedSharding(mesh, sharding.CACHE_SPEC)
+  return cache.replace(
+      k=jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=kv),
+      v=jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype, sharding=kv),
+      lengths=jax.ShapeDtypeStruct((batch,), jnp.int32,
+                                   sharding=NamedSharding(mesh, P(sharding.DATA))))
+
+
 def forward_program(graphdef, params, batch: int, max_len: int, mesh):
   """Lowered 1-token target forward over a full cache: tokens [B, 1] -> argmax ids [B, 1]."""
-  from jax.sharding import PartitionSpec as P
   target = nnx.merge(graphdef, params)[0]
-  cfg = target.cfg
-  rows = NamedSharding(mesh, P(sharding.DATA, None))
-  cache_shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-  kv = jax.ShapeDtypeStruct(cache_shape, target.dtype,
-                            sharding=NamedSharding(mesh, sharding.CACHE_SPEC))
-  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P(sharding.DATA)))
-  tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=rows)
+  cache = abstract_cache(target, batch, max_len, mesh)
+  tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
+                                sharding=NamedSharding(mesh, P(sharding.DATA, None)))
 
   def forward(p, tokens, k, v, lengths):
     model = nnx.merge(graphdef, p)[0]
-    from cure_jax.cache import KVCache
     cache = KVCache(k, v, lengths)
     mask = jnp.concatenate([cache.visible()[:, None], jnp.ones((tokens.shape[0], 1, 1), bool)],
                            axis=-1)                                            # [B, 1, S + 1]
     out = model(tokens, lengths[:, None], cache, mask)
     return jnp.argmax(model.logits(out.hidden), axis=-1)
 
-  return jax.jit(forward).lower(params, tokens, kv, kv, lengths)
+  return jax.jit(forward).lower(params, tokens, cache.k, cache.v, cache.lengths)
 
 
 def lower_case(case: Case, graphdef, params, config, mesh, drafter):
@@ -200,9 +206,12 @@ def analyse(case: Case, lowered, weights: dict[str, float]) -> dict:
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
   text = compiled.as_text()
-  if _DUMP_HLO.value:
-    report.write_text(Path(_DUMP_HLO.value) / (case.name.replace("/", "_") + ".hlo"), text)
-  traffic = hlo_traffic.count(text, entry_labels(lowered, case.program))
+  labels = entry_labels(lowered, case.program)
+  if _DUMP_HLO.value:  # the module and its parameter labels: hlo_traffic.count(text, labels)
+    stem = Path(_DUMP_HLO.value) / case.name.replace("/", "_")
+    report.write_text(stem.with_suffix(".hlo"), text)
+    pipeline.write_json(str(stem.with_suffix(".labels.json")), labels)
+  traffic = hlo_traffic.count(text, labels)
   loop = traffic["loops"][0] if traffic["loops"] else traffic["program"]
   rec = dict(case=case.name, program=case.program, method=case.method, batch=case.batch,
              v_max=case.v_max, compile_s=round(compile_s, 2),
@@ -239,15 +248,14 @@ def weight_bytes(target, drafter, mesh, batch: int, max_len: int) -> dict[str, f
     flat = [(p, v.get_value()) for p, v in nnx.to_flat_state(state)]
     return per_chip_bytes([x for p, x in flat if only is None or only in "/".join(map(str, p))])
 
-  def kv(cfg, dtype):
-    x = jax.ShapeDtypeStruct((cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim),
-                             dtype, sharding=NamedSharding(mesh, sharding.CACHE_SPEC))
-    return 2 * per_chip_bytes(x)
+  def kv(model):
+    cache = abstract_cache(model, batch, max_len, mesh)
+    return per_chip_bytes([cache.k, cache.v])
 
   head = "embed_tokens" if target.cfg.tie_embeddings else "lm_head"
-  out = dict(target=chip(target), lm_head=chip(target, head), target_kv=kv(target.cfg, target.dtype))
+  out = dict(target=chip(target), lm_head=chip(target, head), target_kv=kv(target))
   if drafter is not None:
-    out.update(drafter=chip(drafter), drafter_kv=kv(drafter.cfg, drafter.dtype))
+    out.update(drafter=chip(drafter), drafter_kv=kv(drafter))
   return out
 
 

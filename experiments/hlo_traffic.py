@@ -331,6 +331,9 @@ class _Counter:
           labels[ins.name] = src
         else:
           labels[ins.name] = src if isinstance(src, str) else ACTIVATION
+      if op == "custom-call" and 'custom_call_target="ConcatBitcast"' in ins.attrs:
+        names = {x for x in srcs if isinstance(x, str)}  # pieces of one prefetched buffer
+        labels[ins.name] = names.pop() if len(names) == 1 else ACTIVATION
       if op == "while":
         body = self.comps[_called(ins.attrs, "body")[0]]
         cond = self.comps[_called(ins.attrs, "condition")[0]]
