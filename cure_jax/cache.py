@@ -1,9 +1,9 @@
 """Functional KV caches with a static maximum length.
 
 A cache holds keys and values of *committed* tokens only, in slots 0..length-1 of each
-sequence. Slots are the second-to-last axis, [L, B, KVH, S, D] (heads before slots): the layout
-attention reads (per head, all slots), so XLA needs no relayout copy of the cache to attend or
-to commit (with slots before heads, the TPU compiler copied whole caches every iteration). New tokens (a prompt, a verification block, a whole candidate tree) are attended to
+sequence, laid out [L, B, KVH, S, D]: heads before slots, the order attention reads them in
+(with slots before heads, XLA's TPU compiler relaid and copied whole caches every iteration).
+New tokens (a prompt, a verification block, a whole candidate tree) are attended to
 beside the cache, never written speculatively; afterwards the caller writes the tokens it keeps
 into their final slots. Writes past `max_len` are dropped, which is how a tree near the end of
 the cache shrinks instead of overflowing.
@@ -41,10 +41,15 @@ class KVCache:
     """Scatters k_new/v_new [L, B, T, KVH, D] into slots [B, T]; slots >= max_len are dropped."""
     batch = jnp.arange(slots.shape[0])[:, None, None]               # [B, 1, 1]
     heads = jnp.arange(self.k.shape[2])[None, :, None]              # [1, KVH, 1]
-    at = (slice(None), batch, heads, slots[:, None, :])             # -> [L, B, KVH, T, D]
+    at = (batch, heads, slots[:, None, :])                          # a layer's [B, KVH, T]
 
     def put(cache, new):
-      return cache.at[at].set(new.swapaxes(2, 3).astype(cache.dtype), mode="drop")
+      # Layer by layer: one scatter over all layers makes XLA lay the cache out with layers
+      # minor (for the scatter) and copy all of it every iteration into attention's layout.
+      new = new.swapaxes(2, 3).astype(cache.dtype)                  # [L, B, KVH, T, D]
+      for layer in range(cache.shape[0]):
+        cache = cache.at[(layer,) + at].set(new[layer], mode="drop")
+      return cache
 
     return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
 

@@ -228,10 +228,14 @@ class Traffic:
   def summary(self, top: int = 12) -> dict:
     """JSON-ready figures; `largest` lists the ops that move the most HBM bytes."""
     largest = sorted(self.ops, key=lambda o: -o[0])[:top]
+    by_op = collections.Counter()
+    for b, _, opcode, op_name in self.ops:   # what kind of op moves the bytes
+      by_op[op_name.rsplit("/", 1)[-1] or opcode] += b
     return dict(hbm_bytes=self.total, by_label={k: float(v) for k, v in sorted(self.hbm.items())},
                 on_chip_bytes_skipped=self.on_chip, fusions=self.fusions,
                 collectives=dict(sorted(self.collectives.items())),
                 nested_loops_without_trip_count=self.unknown_trips,
+                by_op={k: float(v) for k, v in by_op.most_common(top)},
                 largest=[dict(bytes=float(b), name=n, opcode=o, op_name=m)
                          for b, n, o, m in largest])
 
@@ -399,8 +403,8 @@ class _Counter:
     op = ins.opcode
     shape = lambda n: _arrays(comp.by_name[n].shape)            # noqa: E731
     hbm = lambda arrays: sum(a.bytes for a in arrays if not a.on_chip)  # noqa: E731
-    if op == "copy-start":                # result (source, destination, context)
-      dst = _arrays(ins.shape[1]) if isinstance(ins.shape, list) else []
+    if op == "copy-start":                # result (destination, source, context)
+      dst = _arrays(ins.shape[0]) if isinstance(ins.shape, list) else []
       return [(self._label(labels, ins.operands[0]), hbm(shape(ins.operands[0]))),
               (self._label(labels, ins.operands[0]), hbm(dst))]
     if op == "slice-start":               # result ((operands), destination, context)

@@ -64,7 +64,7 @@ HLO = """HloModule m, entry_computation_layout={(bf16[1024,256]{1,0})->bf16[1,25
 ENTRY %main (w: bf16[1024,256], x: bf16[1,1024]) -> bf16[1,256] {
   %w = bf16[1024,256]{1,0:T(8,128)(2,1)} parameter(0)
   %x = bf16[1,1024]{1,0:T(2,128)(2,1)} parameter(1)
-  %cs = (bf16[1024,256]{1,0:T(8,128)(2,1)}, bf16[1024,256]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%w)
+  %cs = (bf16[1024,256]{1,0:T(8,128)(2,1)S(1)}, bf16[1024,256]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w)
   %cd = bf16[1024,256]{1,0:T(8,128)(2,1)S(1)} copy-done(%cs)
   ROOT %f = bf16[1,256]{1,0:T(2,128)(2,1)} fusion(%cd, %x), kind=kOutput, calls=%fused
 }
