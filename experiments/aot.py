@@ -58,6 +58,8 @@ _PROGRAMS = flags.DEFINE_list("programs", ["prefill", "decode", "forward"],
                               "1-token target forward)")
 _OUTPUT = flags.DEFINE_string("output", "results/aot/qwen3_8b", "output path without extension")
 _DUMP_HLO = flags.DEFINE_string("dump_hlo", "", "folder: also write each optimized HLO module")
+_RECOUNT = flags.DEFINE_bool("recount", False, "compile nothing: recount the HLO modules a run "
+                             "dumped into --dump_hlo and rewrite its --output report")
 
 METHODS = ("ar", "chain", "cure")
 PROGRAMS = ("prefill", "decode", "forward")
@@ -211,19 +213,15 @@ def analyse(case: Case, lowered, weights: dict[str, float]) -> dict:
     stem = Path(_DUMP_HLO.value) / case.name.replace("/", "_")
     report.write_text(stem.with_suffix(".hlo"), text)
     pipeline.write_json(str(stem.with_suffix(".labels.json")), labels)
-  traffic = hlo_traffic.count(text, labels)
-  loop = traffic["loops"][0] if traffic["loops"] else traffic["program"]
   rec = dict(case=case.name, program=case.program, method=case.method, batch=case.batch,
              v_max=case.v_max, compile_s=round(compile_s, 2),
              argument_bytes=mem.argument_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
              output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
              xla_flops=float(cost.get("flops", 0.0)),
-             xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-             iteration=loop, outside_loops=traffic["outside_loops"] if traffic["loops"] else None)
+             xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), weights=weights)
   if case.program == "decode":  # its output is the state: donation works when it aliases
     rec["donated_state_aliased"] = bool(mem.alias_size_in_bytes >= 0.9 * mem.output_size_in_bytes)
-  rec["bounds"] = traffic_bounds(case, loop, weights)
-  return rec
+  return traffic_record(rec, text, labels)
 
 
 def traffic_bounds(case: Case, loop: dict, w: dict[str, float]) -> dict:
@@ -298,8 +296,36 @@ def markdown(meta: dict, records: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def traffic_record(rec: dict, text: str, labels: dict[int, str]) -> dict:
+  """rec with the HBM count of `text` (one iteration of its loop, else the whole program)."""
+  traffic = hlo_traffic.count(text, labels)
+  loop = traffic["loops"][0] if traffic["loops"] else traffic["program"]
+  case = Case(rec["program"], rec["method"], rec["batch"], rec["v_max"])
+  return dict(rec, iteration=loop,
+              outside_loops=traffic["outside_loops"] if traffic["loops"] else None,
+              bounds=traffic_bounds(case, loop, rec["weights"]))
+
+
+def recount(output: str, dump: str) -> None:
+  """Rewrites a report from its dumped modules (after a change of experiments/hlo_traffic)."""
+  if not dump:
+    raise app.UsageError("--recount reads the modules of --dump_hlo=DIR")
+  data = json.loads(Path(output + ".json").read_text())
+  for i, rec in enumerate(data["records"]):
+    stem = Path(dump) / rec["case"].replace("/", "_")
+    if not stem.with_suffix(".hlo").is_file():
+      raise app.UsageError(f"{stem}.hlo is missing: run with --dump_hlo={dump} first")
+    labels = {int(k): v for k, v in json.loads(stem.with_suffix(".labels.json").read_text()).items()}
+    data["records"][i] = traffic_record(rec, stem.with_suffix(".hlo").read_text(), labels)
+  pipeline.write_json(output + ".json", data)
+  report.write_text(output + ".md", markdown(data["meta"], data["records"]))
+  print(f"recounted {len(data['records'])} programs into {output}.json and .md")
+
+
 def main(argv):
   del argv
+  if _RECOUNT.value:
+    return recount(_OUTPUT.value, _DUMP_HLO.value)
   config = _CONFIG.value
   methods = [m.strip() for m in _METHODS.value]
   bad = [m for m in methods if m not in METHODS]
@@ -338,7 +364,6 @@ def main(argv):
     meta["weights"] = weight_bytes(target, drafter, mesh, case.batch, _MAX_LEN.value)
     lowered = lower_case(case, graphdef, params, config, mesh, drafter)
     rec = analyse(case, lowered, meta["weights"])
-    rec["weights"] = meta["weights"]
     records.append(rec)
     it = rec["iteration"]
     print(f"{case.name}: compile {rec['compile_s']:.1f} s, HBM {it['hbm_bytes'] / 1e9:.2f} GB "

@@ -24,6 +24,9 @@ _CPU = flags.DEFINE_string("cpu", "", "aot JSON of a CPU-backend float32 compile
 _TAU = flags.DEFINE_string("tau", "", "measured τ as method=value,... (e.g. chain=2.005,"
                            "cure=2.431); the paper's τ is always shown")
 _OUTPUT = flags.DEFINE_string("output", "results/aot/projection", "output path, no extension")
+_ALSO = flags.DEFINE_list("also_as", [], "TPU generations without a compile of their own (e.g. "
+                          "v6e,v5p) priced with the per-chip counts of the --tpu files (rows "
+                          "marked 'counts of <topology>')")
 
 # Public peak figures per chip / GPU: (HBM GB/s, dense bf16 TFLOP/s, source).
 DEVICES = {
@@ -43,7 +46,7 @@ SHARES = {"weights": ("target_weights", "target_head"), "drafter": ("drafter_wei
 
 
 def iteration_ms(bytes_: float, flops: float, device: str) -> float:
-  bw, peak, _ = DEVICES[device]
+  bw, peak, _ = DEVICES[device.split(" ")[0]]
   return 1000 * max(bytes_ / (bw * 1e9), flops / (peak * 1e12))
 
 
@@ -123,6 +126,12 @@ def main(argv):
   for path in _TPU.value:
     data = json.loads(open(path).read())
     rows += project(decode_records(data), [device_of(data["meta"])], 1.0, taus)
+    for gen in _ALSO.value:
+      if gen not in DEVICES or gen in GPUS:
+        raise app.UsageError(f"--also_as={gen}: choose TPU generations from "
+                             f"{sorted(k for k in DEVICES if k not in GPUS)}")
+      extra = project(decode_records(data), [gen], 1.0, taus)
+      rows += [dict(r, device=f"{gen} (counts of {data['meta']['topology']})") for r in extra]
   if _CPU.value:
     data = json.loads(open(_CPU.value).read())
     if data["meta"]["dtype"] != "float32":
