@@ -52,7 +52,8 @@ def test_report_on_the_cpu_backend(pair_dirs):
     it = rec["iteration"]
     assert it["on_chip_bytes_skipped"] == 0
     if rec["program"] == "forward":   # straight-line: XLA's count and ours see the same ops
-      assert it["hbm_bytes"] == pytest.approx(rec["xla_bytes_accessed"], rel=0.1)
+      # (XLA counts whole operands where ours counts the slices read: ours is below, not far)
+      assert 0.8 * rec["xla_bytes_accessed"] <= it["hbm_bytes"] <= rec["xla_bytes_accessed"]
   dec = records["decode/ar/b2"]
   assert dec["donated_state_aliased"]
   assert dec["iteration"]["by_label"]["target_weights"] > 0

@@ -22,9 +22,10 @@ from cure_jax import random_models
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "cure_jax_libtpu.lock"
-# ~200 MB of bf16 weights per chip over 4 chips: more than v5e's on-chip memory holds.
-ARCH = random_models.Arch(vocab=32768, hidden=2048, layers=4, heads=16, kv_heads=8, head_dim=128,
-                          draft_layers=2, block_size=8, target_layer_ids=(1, 2))
+# ~290 MB of bf16 weights per chip over 4 chips, more than v5e's 128 MiB of on-chip memory, and
+# a 4096-slot cache of ~50 MB per chip: one relayout copy of it per iteration breaks the bound.
+ARCH = random_models.Arch(vocab=32768, hidden=2048, layers=12, heads=16, kv_heads=8,
+                          head_dim=128, draft_layers=2, block_size=8, target_layer_ids=(1, 10))
 HEAD_COLLECTIVES = 3     # all-reduces of the vocabulary-parallel head / argmax / embedding
 
 
@@ -51,7 +52,7 @@ def compiled(tmp_path_factory):
   cmd = [sys.executable, "-m", "experiments.aot", "--config=configs/qwen3_8b.py",
          "--topology=v5e:2x2", "--config.mesh.model=4", f"--target={root / 'target'}",
          f"--drafter={root / 'drafter'}", "--methods=ar,chain", "--batch=1",
-         "--programs=decode", "--max_len=512", "--prompt_len=64", f"--output={root / 'out'}"]
+         "--programs=decode", "--max_len=4096", "--prompt_len=64", f"--output={root / 'out'}"]
   with open(LOCK, "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)   # one libtpu process at a time on this machine
     child = subprocess.run(cmd, cwd=REPO, env=_child_env(), capture_output=True, text=True,
@@ -64,11 +65,11 @@ def compiled(tmp_path_factory):
 def test_ar_iteration_reads_each_weight_about_once(compiled):
   ar = compiled["decode/ar/b1"]
   weights = ar["weights"]["target"]
-  assert weights > 150e6                        # the premise: weights live in HBM
+  assert weights > 250e6
   hbm = ar["iteration"]["hbm_bytes"]
   assert hbm <= 1.2 * weights, (hbm / weights, ar["iteration"]["largest"][:5])
-  assert ar["iteration"]["by_label"]["target_weights"] > 0.8 * (weights - 2 * ARCH.vocab *
-                                                                ARCH.hidden * 2 / 4)
+  layers = weights - 2 * ARCH.vocab * ARCH.hidden * 2 / 4     # without embedding and head
+  assert ar["iteration"]["by_label"]["target_weights"] > 0.5 * layers   # most come from HBM
   assert ar["donated_state_aliased"]
 
 
