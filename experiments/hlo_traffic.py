@@ -6,7 +6,8 @@ memory (`S(1)` buffers, filled by async `copy-start` / `slice-start`), and it co
 whole operand even when the fusion only slices it. This module reads the optimized HLO text
 (`compiled.as_text()`) and counts the HBM side only:
 
-- every top-level op of the entry, of while bodies / conditions, conditional branches and calls
+- every top-level op of the entry, of while bodies / conditions, conditional branches (the
+  larger one: an iteration where the branch runs) and calls
   (fusions are looked into, not recursed as control flow);
 - an operand or result counts when it lives in HBM (memory space 0); on-chip buffers are skipped
   and reported apart; async copies count their HBM end once;
