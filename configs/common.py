@@ -31,6 +31,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.seed = 0                   # sampling is reproducible from this seed
   config.output = ""                # JSON path; empty: print text and a summary line
   config.check_ar = False           # also decode target-only and report token equality
+  config.compilation_cache = ""     # JAX persistent compilation cache folder; "" = the cure_jax
+                                    # cache folder's xla/ ($CURE_JAX_CACHE), "off" = no cache
   config.cure = ml_collections.ConfigDict(dict(
       tau_margin=1.0, margin_scale=2.0, b_min=1, b_max=5, dynamic=True, select="margin",
       max_repair_positions=1, v_max=64, max_depth=15, beam_width=5, keep_branch0=True,

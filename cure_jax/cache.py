@@ -1,7 +1,9 @@
 """Functional KV caches with a static maximum length.
 
 A cache holds keys and values of *committed* tokens only, in slots 0..length-1 of each
-sequence. New tokens (a prompt, a verification block, a whole candidate tree) are attended to
+sequence, laid out [L, B, KVH, S, D]: heads before slots, the order attention reads them in
+(with slots before heads, XLA's TPU compiler relaid and copied whole caches every iteration).
+New tokens (a prompt, a verification block, a whole candidate tree) are attended to
 beside the cache, never written speculatively; afterwards the caller writes the tokens it keeps
 into their final slots. Writes past `max_len` are dropped, which is how a tree near the end of
 the cache shrinks instead of overflowing.
@@ -16,18 +18,18 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  k: jax.Array        # [L, B, S, KVH, D]
-  v: jax.Array        # [L, B, S, KVH, D]
+  k: jax.Array        # [L, B, KVH, S, D]
+  v: jax.Array        # [L, B, KVH, S, D]
   lengths: jax.Array  # [B] int32: committed slots per sequence
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
   @classmethod
   def zeros(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
             dtype) -> "KVCache":
-    shape = (num_layers, batch, max_len, kv_heads, head_dim)
+    shape = (num_layers, batch, kv_heads, max_len, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -37,10 +39,19 @@ class KVCache:
 
   def write(self, k_new, v_new, slots) -> "KVCache":
     """Scatters k_new/v_new [L, B, T, KVH, D] into slots [B, T]; slots >= max_len are dropped."""
-    batch = jnp.arange(slots.shape[0])[:, None]  # [B, 1]
-    k = self.k.at[:, batch, slots].set(k_new.astype(self.k.dtype), mode="drop")
-    v = self.v.at[:, batch, slots].set(v_new.astype(self.v.dtype), mode="drop")
-    return self.replace(k=k, v=v)
+    batch = jnp.arange(slots.shape[0])[:, None, None]               # [B, 1, 1]
+    heads = jnp.arange(self.k.shape[2])[None, :, None]              # [1, KVH, 1]
+    at = (batch, heads, slots[:, None, :])                          # a layer's [B, KVH, T]
+
+    def put(cache, new):
+      # Layer by layer: one scatter over all layers makes XLA lay the cache out with layers
+      # minor (for the scatter) and copy all of it every iteration into attention's layout.
+      new = new.swapaxes(2, 3).astype(cache.dtype)                  # [L, B, KVH, T, D]
+      for layer in range(cache.shape[0]):
+        cache = cache.at[(layer,) + at].set(new[layer], mode="drop")
+      return cache
+
+    return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
 
   def append(self, k_new, v_new, count) -> "KVCache":
     """Commits the first count[b] of T new tokens after each sequence's current length."""

@@ -39,6 +39,19 @@ def prompt_bucket(length: int) -> int:
   return max(PROMPT_BUCKET, 1 << (length - 1).bit_length())
 
 
+def decoding_spec(method: str, drafter, max_new_tokens: int, max_len: int, stop_ids=(),
+                  block_size: int = 1, cure: repair.RepairConfig | None = None,
+                  sampling: Sampling = Sampling()) -> Spec:
+  """The static Spec of a run; a DFlash drafter (chain, cure, ddtree, hybrid) supplies its mask
+  token and the target layers it reads. Works on abstract modules (nnx.eval_shape) too."""
+  block = method in DFLASH_METHODS
+  return Spec(method=method, max_new_tokens=max_new_tokens, max_len=max_len,
+              stop_ids=tuple(stop_ids), block_size=block_size,
+              mask_token_id=drafter.cfg.mask_token_id if block else 0,
+              feature_layers=drafter.cfg.feature_layers if block else (),
+              cure=cure if method in TREE_METHODS else None, sampling=sampling)
+
+
 class Generator:
   """Decodes token-id prompts with one method; construct once, call `generate` many times.
 
@@ -96,12 +109,8 @@ class Generator:
     self.compile_s: dict[tuple, float] = {}
 
   def spec(self, max_len: int) -> Spec:
-    return Spec(method=self.method, max_new_tokens=self.max_new_tokens, max_len=max_len,
-                stop_ids=self.stop_ids, block_size=self.block_size,
-                mask_token_id=self.drafter.cfg.mask_token_id if self.method in DFLASH_METHODS
-                else 0,
-                feature_layers=self.drafter.cfg.feature_layers if self.method in DFLASH_METHODS
-                else (), cure=self.cure, sampling=self.sampling)
+    return decoding_spec(self.method, self.drafter, self.max_new_tokens, max_len, self.stop_ids,
+                         self.block_size, self.cure, self.sampling)
 
   def cache_len(self, prompt_len: int) -> int:
     """The static cache length for a prompt bucket; checks the user's max_len if given."""

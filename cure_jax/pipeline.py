@@ -54,6 +54,23 @@ def init_distributed(config) -> None:
     jax.distributed.initialize()
 
 
+def enable_compilation_cache(config) -> str | None:
+  """Turns on JAX's persistent compilation cache, so a second run of the same command loads its
+  compiled programs instead of compiling again. config.compilation_cache: a folder, "" for
+  <cure_jax cache>/xla, "off" for none. Returns the folder (None when off)."""
+  import jax
+  where = str(config.get("compilation_cache", "") or "")
+  if where == "off":
+    return None
+  if not where:
+    from cure_jax.default_model import cache_root
+    where = str(cache_root() / "xla")
+  Path(where).mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", where)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  return where
+
+
 def mesh_of(config):
   """The device mesh of config.mesh, or None for 1 x 1 (one device, nothing sharded)."""
   from cure_jax import sharding

@@ -43,6 +43,23 @@ class Arch:
                         self.block_size, self.vocab - 1, self.target_layer_ids, self.layers)
 
 
+def hf_configs(target_cfg: ModelConfig, drafter_cfg: DFlashConfig) -> tuple[dict, dict]:
+  """config.json dicts (target, DFlash drafter) of these configs, as the converters read them."""
+  t, d = target_cfg, drafter_cfg
+  common = dict(hidden_size=t.hidden_size, num_attention_heads=t.num_heads,
+                num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_eps,
+                rope_theta=t.rope.theta)
+  target = dict(common, model_type=t.model_type, vocab_size=t.vocab_size,
+                intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
+                tie_word_embeddings=t.tie_embeddings)
+  drafter = dict(common, model_type="qwen3", intermediate_size=d.intermediate_size,
+                 num_hidden_layers=d.num_layers, block_size=d.block_size,
+                 num_target_layers=t.num_layers,
+                 dflash_config=dict(mask_token_id=d.mask_token_id,
+                                    target_layer_ids=list(d.target_layer_ids)))
+  return target, drafter
+
+
 def _perturb(module, seed: int, logit_scale: float):
   """Random norm weights (non-trivial norms) and a sharper output head."""
   graphdef, state = nnx.split(module)
@@ -78,18 +95,7 @@ def write_hf(root, target: Qwen3, drafter: DFlash) -> tuple[Path, Path]:
   the converters read, so a random pair goes through the same loading path as a real one."""
   from convert import checkpoint, qwen3
   root = Path(root)
-  t, d = target.cfg, drafter.cfg
-  common = dict(hidden_size=t.hidden_size, num_attention_heads=t.num_heads,
-                num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_eps,
-                rope_theta=t.rope.theta)
-  target_config = dict(common, model_type="qwen3", vocab_size=t.vocab_size,
-                       intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
-                       tie_word_embeddings=t.tie_embeddings)
-  drafter_config = dict(common, model_type="qwen3", intermediate_size=d.intermediate_size,
-                        num_hidden_layers=d.num_layers, block_size=d.block_size,
-                        num_target_layers=t.num_layers,
-                        dflash_config=dict(mask_token_id=d.mask_token_id,
-                                           target_layer_ids=list(d.target_layer_ids)))
+  target_config, drafter_config = hf_configs(target.cfg, drafter.cfg)
   checkpoint.export_hf(nnx.state(target), root / "target", qwen3.hf_name, target_config)
   checkpoint.export_hf(nnx.state(drafter), root / "drafter", lambda p: checkpoint.hf_name(p),
                        drafter_config)

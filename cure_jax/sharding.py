@@ -3,7 +3,7 @@
 The mesh has two axes. `model` splits every big matrix Megatron-style: q/k/v and gate/up kernels
 on their output (head / intermediate) axis, o_proj and down_proj on their input axis, the
 embedding [V, H] and lm_head [H, V] on the vocabulary; norms and the DFlash `fc` are replicated.
-`data` splits the batch: KV caches [L, B, S, KVH, D] are sharded (None, data, None, model, None)
+`data` splits the batch: KV caches [L, B, KVH, S, D] are sharded (None, data, model, None, None)
 and every per-sequence array of the decoding state on its leading batch axis. Parameters are
 replicated over `data`.
 
@@ -43,7 +43,7 @@ RULES: tuple[tuple[str, tuple, str | None], ...] = (
     (r"(^|/)fc/kernel$", (None, None), None),        # DFlash feature projection: replicated
     (r"(^|/)[a-z_]*norm/weight$", (None,), None),   # every RMSNorm (incl. q_norm, k_norm)
 )
-CACHE_SPEC = P(None, DATA, None, MODEL, None)      # KV caches [L, B, S, KVH, D]
+CACHE_SPEC = P(None, DATA, MODEL, None, None)      # KV caches [L, B, KVH, S, D]
 
 
 def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -201,9 +201,11 @@ def to_host(tree):
   return jax.tree.map(get, tree)
 
 
-def compile_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
-  """Compiled (prefill, decode) for sharded params: the same jitted functions as the unsharded
-  path, wrapped so that the state's shardings are fixed at their boundaries (decode donates it)."""
+def lower_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
+  """Lowered (prefill, decode) for sharded params: the same jitted functions as the unsharded
+  path, wrapped so that the state's shardings are fixed at their boundaries (decode donates it).
+  `params` may be abstract (ShapeDtypeStructs with shardings): nothing is allocated, so a mesh
+  of compile-only devices (jax.experimental.topologies) works too."""
   from cure_jax import decoding  # decoding does not import this module; keep it that way
 
   rows = NamedSharding(mesh, P(DATA, None))
@@ -222,6 +224,12 @@ def compile_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh
   out = decoding_state_shardings(shapes, mesh)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                        out)
-  pre = jax.jit(prefill, out_shardings=out).lower(params, prompt, plen, key_data).compile()
-  dec = jax.jit(decode, out_shardings=out, donate_argnums=1).lower(params, state).compile()
+  pre = jax.jit(prefill, out_shardings=out).lower(params, prompt, plen, key_data)
+  dec = jax.jit(decode, out_shardings=out, donate_argnums=1).lower(params, state)
   return pre, dec
+
+
+def compile_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
+  """Compiled (prefill, decode) of lower_decoding."""
+  pre, dec = lower_decoding(graphdef, params, spec, batch, bucket, mesh)
+  return pre.compile(), dec.compile()

@@ -19,6 +19,7 @@ def main(argv):
   del argv
   config = _CONFIG.value
   pipeline.init_distributed(config)
+  pipeline.enable_compilation_cache(config)
   pipeline.resolve_paths(config)
   target = pipeline.load_target(config)
   drafter = pipeline.load_drafter(config, target)

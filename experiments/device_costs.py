@@ -32,6 +32,31 @@ _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", 4800.0, "device memory bandwidt
 _CONTEXT = flags.DEFINE_integer("context", 512, "committed tokens before the tree")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens per loop timing")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON path")
+_PROJECTION = flags.DEFINE_string("projection", "", "experiments.projection JSON: print the "
+                                  "projected ms per iteration of this device beside the measured")
+
+# jax device_kind prefixes -> experiments.projection.DEVICES keys
+_KINDS = (("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v6", "v6e"), ("TPU v5", "v5p"),
+          ("NVIDIA H100", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA B200", "B200"))
+
+
+def beside_projection(loops: dict, path: str) -> list[str]:
+  """Lines comparing the measured loop ms per iteration with the projection for this device
+  (batch 1, the paper's τ rows; the projection assumes its own max_len)."""
+  kind = jax.devices()[0].device_kind
+  key = next((k for prefix, k in _KINDS if kind.startswith(prefix)), None)
+  rows = json.loads(open(path).read())["rows"]
+  mine = [r for r in rows if r["device"] == key and r["batch"] == 1 and r["tau_from"] == "paper"]
+  if not mine:
+    return [f"no projection rows for device {kind!r} (key {key}) in {path}"]
+  out = []
+  for method, loop in loops.items():
+    proj = [r for r in mine if r["method"] == method]
+    if proj:
+      r = max(proj, key=lambda r: r["v_max"])
+      out.append(f"{method}: measured {loop['ms_per_iteration']:.2f} ms / iteration, projected "
+                 f"{r['iteration_ms']:.2f} ms (v_max {r['v_max']}, roofline of the AOT count)")
+  return out
 
 QWEN3_8B = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e-6,
                        Rope(128, 1_000_000.0), False)
@@ -83,6 +108,8 @@ def main(argv):
   print(f"C_v(1) = {costs['verify_ms'][1]:.2f} ms vs roofline {floor_ms:.2f} ms "
         f"({floor_ms / costs['verify_ms'][1]:.0%} of peak bandwidth); "
         f"C_v(64)/C_v(1) = {costs['verify_ms'][64] / costs['verify_ms'][1]:.2f}")
+  if _PROJECTION.value:
+    print("\n".join(beside_projection(loops, _PROJECTION.value)))
   if _OUTPUT.value:
     pipeline.write_json(_OUTPUT.value, json.loads(json.dumps(result, default=str)))
 

@@ -1,7 +1,12 @@
-"""Test-wide settings: tiny models compile faster than they run, so ask XLA not to optimise."""
+"""Test-wide settings: tiny models compile faster than they run, so ask XLA not to optimise.
+
+The suite runs on CPU even where libtpu is installed (CI installs it for test_aot_tpu, which
+compiles for TPU topologies in a child process of its own: libtpu allows one process at a time).
+"""
 
 import os
 
 # Must happen before jax is imported by any test module. Halves compile time of the decode loops.
 os.environ["XLA_FLAGS"] = " ".join(
     filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

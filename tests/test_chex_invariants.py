@@ -229,9 +229,9 @@ class TreeInvariants(chex.TestCase):
     verdict = verify.greedy(t, argmax, k)
     count = verdict.accepted + 1                                            # root + accepted
     lengths = jnp.asarray(rng.integers(max_len - 2 * k, max_len, BATCH), jnp.int32)  # near end
-    old = KVCache(k=jnp.asarray(rng.normal(size=(layers, BATCH, max_len, kvh, hd)), jnp.float32),
-                  v=jnp.asarray(rng.normal(size=(layers, BATCH, max_len, kvh, hd)), jnp.float32),
-                  lengths=lengths)
+    cache_shape = (layers, BATCH, kvh, max_len, hd)                         # heads-major
+    old = KVCache(k=jnp.asarray(rng.normal(size=cache_shape), jnp.float32),
+                  v=jnp.asarray(rng.normal(size=cache_shape), jnp.float32), lengths=lengths)
     shape = (layers, BATCH, t.size, kvh, hd)                                # the tree's K/V
     k_new, v_new = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
 
@@ -249,8 +249,8 @@ class TreeInvariants(chex.TestCase):
     for b in range(BATCH):
       for i in range(count[b]):
         if lengths[b] + i < max_len:  # writes past the cache end are dropped
-          want_k[:, b, lengths[b] + i] = np.asarray(k_new)[:, b, path[b, i]]
-          want_v[:, b, lengths[b] + i] = np.asarray(v_new)[:, b, path[b, i]]
+          want_k[:, b, :, lengths[b] + i] = np.asarray(k_new)[:, b, path[b, i]]
+          want_v[:, b, :, lengths[b] + i] = np.asarray(v_new)[:, b, path[b, i]]
     chex.assert_trees_all_equal(
         new, KVCache(k=want_k, v=want_v, lengths=np.minimum(lengths + count, max_len)))
 

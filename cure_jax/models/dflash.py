@@ -129,7 +129,7 @@ class DraftAttention(nnx.Module):
     return self.cfg.rope(k, positions), self.v_proj(x).reshape(shape)
 
   def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, block_mask):
-    """x [B, A, K, H] block states; ctx_k/v [B, S, KVH, D]; masks [B, 1, K, S], [B, A, K, K]."""
+    """x [B, A, K, H] block states; ctx_k/v [B, KVH, S, D]; masks [B, 1, K, S], [B, A, K, K]."""
     b, a, t, _ = x.shape
     q = self.q_norm(self.q_proj(x).reshape(b, a, t, self.cfg.num_heads, self.cfg.head_dim))
     q = self.cfg.rope(q, positions[:, None])

@@ -105,23 +105,23 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
   """Grouped-query attention over [old slots ; new tokens] without concatenating the caches.
 
   q: [B, A, T, H, D] queries (A = independent blocks that share the same old context);
-  k_old/v_old: [B, S, KVH, D] cached keys/values; k_new/v_new: [B, A, U, KVH, D];
+  k_old/v_old: [B, KVH, S, D] cached keys/values (the cache's layout); k_new/v_new: [B, A, U, KVH, D];
   mask_old: [B, A, T, S], mask_new: [B, A, T, U] booleans (True = visible).
   Returns [B, A, T, H, D].
   """
   b, a, t, h, d = q.shape
-  kvh = k_old.shape[2]
+  kvh = k_old.shape[1]
   qg = q.reshape(b, a, t, kvh, h // kvh, d)
   scale = 1.0 / math.sqrt(d)
-  s_old = jnp.einsum("batkgd,bskd->bakgts", qg, k_old, preferred_element_type=jnp.float32)
+  s_old = jnp.einsum("batkgd,bksd->bakgts", qg, k_old, preferred_element_type=jnp.float32)
   s_new = jnp.einsum("batkgd,baukd->bakgtu", qg, k_new,
                      preferred_element_type=jnp.float32)
   neg = jnp.finfo(jnp.float32).min
   s_old = jnp.where(mask_old[:, :, None, None], s_old * scale, neg)
   s_new = jnp.where(mask_new[:, :, None, None], s_new * scale, neg)
   probs = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
-  p_old, p_new = probs[..., :k_old.shape[1]], probs[..., k_old.shape[1]:]
-  out = (jnp.einsum("bakgts,bskd->batkgd", p_old.astype(v_old.dtype), v_old,
+  p_old, p_new = probs[..., :k_old.shape[2]], probs[..., k_old.shape[2]:]
+  out = (jnp.einsum("bakgts,bksd->batkgd", p_old.astype(v_old.dtype), v_old,
                     preferred_element_type=jnp.float32) +
          jnp.einsum("bakgtu,baukd->batkgd", p_new.astype(v_new.dtype), v_new,
                     preferred_element_type=jnp.float32))

@@ -1,0 +1,379 @@
+"""Compile the real decoding program for an accelerator we do not have, and read what it costs.
+
+With libtpu installed (`pip install "jax[tpu]==<jax version>"`, no TPU needed),
+`jax.experimental.topologies` gives compile-only TPU devices, and XLA's real TPU compiler builds
+the program for them on this CPU host. Target and drafter are built abstractly
+(`nnx.eval_shape`) from their config.json, so nothing is allocated and no checkpoint is read.
+For each method (ar, chain, cure at each v_max) and batch this compiles prefill and the decode
+loop exactly as `experiments.decode` would (`sharding.lower_decoding`), plus a 1-token target
+forward, and records compile seconds, per-chip memory, collectives, fusions, XLA's cost
+analysis and an independent count of the HBM traffic of one loop iteration
+(`experiments.hlo_traffic`), weights apart.
+
+  python -m experiments.aot --config=configs/qwen3_8b.py --topology=v5e:2x2 --config.mesh.model=4
+  python -m experiments.aot --config=configs/qwen3_8b.py --topology=cpu --config.dtype=float32 \
+    --methods=ar,chain,cure --v_max=64 --batch=1
+
+Writes <output>.json and <output>.md (atomically). libtpu takes a lock file: run one TPU compile
+process per machine at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import config_flags
+
+from convert import dflash as convert_dflash, qwen3 as convert_qwen3
+from convert.checkpoint import read_hf_config
+from cure_jax import pipeline, sharding
+from cure_jax.cache import KVCache
+from cure_jax.generation import decoding_spec
+from experiments import hlo_traffic, report
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_8b.py",
+                                          "decoding config (dtype, mesh, cure settings)")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU topology (v5e:2x2, v6e:2x2, "
+                                "v5p:2x2x1, ...) or 'cpu' for the host's CPU backend")
+_TARGET = flags.DEFINE_string("target", "configs/hf/qwen3_8b", "HF directory of the target "
+                              "(only config.json is read)")
+_DRAFTER = flags.DEFINE_string("drafter", "configs/hf/qwen3_8b_dflash_b16", "DFlash directory "
+                               "(only config.json is read)")
+_METHODS = flags.DEFINE_list("methods", ["ar", "chain", "cure"], "methods to compile")
+_V_MAX = flags.DEFINE_list("v_max", ["16", "32", "64"], "cure tree sizes")
+_BATCH = flags.DEFINE_list("batch", ["1", "8"], "batch sizes")
+_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "static cache length")
+_PROMPT = flags.DEFINE_integer("prompt_len", 256, "prompt bucket (prefill length)")
+_PROGRAMS = flags.DEFINE_list("programs", ["prefill", "decode", "forward"],
+                              "what to compile: prefill, decode (the loop), forward (one "
+                              "1-token target forward)")
+_OUTPUT = flags.DEFINE_string("output", "results/aot/qwen3_8b", "output path without extension")
+_DUMP_HLO = flags.DEFINE_string("dump_hlo", "", "folder: also write each optimized HLO module")
+_RECOUNT = flags.DEFINE_bool("recount", False, "compile nothing: recount the HLO modules a run "
+                             "dumped into --dump_hlo and rewrite its --output report")
+
+METHODS = ("ar", "chain", "cure")
+PROGRAMS = ("prefill", "decode", "forward")
+
+
+# --- devices and models ------------------------------------------------------------------------
+
+def topology_devices(name: str) -> list:
+  """Compile-only devices of a TPU topology, or the CPU backend's devices for 'cpu'."""
+  if name == "cpu":
+    return jax.devices("cpu")
+  try:
+    import libtpu  # noqa: F401  (jax finds the TPU compiler through this package)
+  except ImportError as e:
+    raise ValueError(f"--topology={name} needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" "
+                     "(no TPU needed; a separate venv keeps it away from other JAX processes)"
+                     ) from e
+  from jax.experimental import topologies
+  try:
+    return list(topologies.get_topology_desc(name, "tpu").devices)
+  except Exception as e:  # libtpu's messages do not name the valid choices
+    raise ValueError(f"unknown TPU topology {name!r} ({type(e).__name__}: {e}); use "
+                     "<generation>:<chips>, e.g. v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1, or 'cpu'"
+                     ) from e
+
+
+def abstract_pair(target_dir: str, drafter_dir: str | None, dtype):
+  """(target, drafter) with ShapeDtypeStruct parameters, from the directories' config.json."""
+  tcfg = read_hf_config(target_dir)
+  target = nnx.eval_shape(lambda: convert_qwen3.FAMILY.build(tcfg, dtype))
+  drafter = None
+  if drafter_dir:
+    dcfg = read_hf_config(drafter_dir)
+    drafter = nnx.eval_shape(lambda: convert_dflash.FAMILY.build(dcfg, dtype))
+    drafter.cfg.check_against(target.cfg)
+  return target, drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  program: str
+  method: str
+  batch: int
+  v_max: int = 0
+
+  @property
+  def name(self) -> str:
+    v = f"/v{self.v_max}" if self.method == "cure" else ""
+    return f"{self.program}/{self.method}{v}/b{self.batch}"
+
+
+def cases(programs, methods, v_maxes, batches) -> list[Case]:
+  out = []
+  for b in batches:
+    if "forward" in programs:
+      out.append(Case("forward", "ar", b))
+    for m in methods:
+      for v in (v_maxes if m == "cure" else [0]):
+        out += [Case(p, m, b, v) for p in ("prefill", "decode") if p in programs]
+  return out
+
+
+# --- programs ----------------------------------------------------------------------------------
+
+def _label_of(path: str, program: str) -> str:
+  """Traffic label of a flattened argument: decode / prefill take (params, state, ...), forward
+  takes (params, tokens, k, v, lengths); params are the (target, drafter) state."""
+  if path.startswith("[0][1]"):
+    return "drafter_weights"
+  if path.startswith("[0]"):
+    return "target_head" if ("lm_head" in path or "embed_tokens" in path) else "target_weights"
+  if program == "forward":
+    return "target_kv" if path.startswith(("[2]", "[3]")) else "state"
+  if ".dcache." in path:
+    return "drafter_kv"
+  if ".cache." in path:
+    return "target_kv"
+  return "state"
+
+
+def entry_labels(lowered, program: str) -> dict[int, str]:
+  """HLO entry parameter number -> label, for the arguments jit kept."""
+  leaves = jax.tree_util.tree_flatten_with_path(lowered.args_info[0])[0]
+  kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
+  return {k: _label_of(jax.tree_util.keystr(leaves[i][0]), program) for k, i in enumerate(kept)}
+
+
+def per_chip_bytes(tree) -> float:
+  """Bytes one device holds of an abstract tree whose leaves carry shardings."""
+  total = 0.0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
+    total += float(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def abstract_cache(model, batch: int, max_len: int, mesh):
+  """The model's KV cache as ShapeDtypeStructs with the decode loop's shardings."""
+  cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
+  kv = NamedSharding(mesh, sharding.CACHE_SPEC)
+  return cache.replace(
+      k=jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=kv),
+      v=jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype, sharding=kv),
+      lengths=jax.ShapeDtypeStruct((batch,), jnp.int32,
+                                   sharding=NamedSharding(mesh, P(sharding.DATA))))
+
+
+def forward_program(graphdef, params, batch: int, max_len: int, mesh):
+  """Lowered 1-token target forward over a full cache: tokens [B, 1] -> argmax ids [B, 1]."""
+  target = nnx.merge(graphdef, params)[0]
+  cache = abstract_cache(target, batch, max_len, mesh)
+  tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
+                                sharding=NamedSharding(mesh, P(sharding.DATA, None)))
+
+  def forward(p, tokens, k, v, lengths):
+    model = nnx.merge(graphdef, p)[0]
+    cache = KVCache(k, v, lengths)
+    mask = jnp.concatenate([cache.visible()[:, None], jnp.ones((tokens.shape[0], 1, 1), bool)],
+                           axis=-1)                                            # [B, 1, S + 1]
+    out = model(tokens, lengths[:, None], cache, mask)
+    return jnp.argmax(model.logits(out.hidden), axis=-1)
+
+  return jax.jit(forward).lower(params, tokens, cache.k, cache.v, cache.lengths)
+
+
+def lower_case(case: Case, graphdef, params, config, mesh, drafter):
+  """The lowered program of one case."""
+  if case.program == "forward":
+    return forward_program(graphdef, params, case.batch, _MAX_LEN.value, mesh)
+  k = drafter.cfg.block_size if case.method in ("chain", "cure") else 1
+  cure = None
+  if case.method == "cure":
+    cure = dataclasses.replace(pipeline.repair_config(config, k), v_max=case.v_max)
+    cure.validate(k)
+  new_tokens = _MAX_LEN.value - _PROMPT.value
+  spec = decoding_spec(case.method, drafter, new_tokens, _MAX_LEN.value, (), k, cure)
+  pre, dec = sharding.lower_decoding(graphdef, params, spec, case.batch, _PROMPT.value, mesh)
+  return pre if case.program == "prefill" else dec
+
+
+def analyse(case: Case, lowered, weights: dict[str, float]) -> dict:
+  """Compile one lowered program and read its costs."""
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis() or {}
+  text = compiled.as_text()
+  labels = entry_labels(lowered, case.program)
+  if _DUMP_HLO.value:  # the module and its parameter labels: hlo_traffic.count(text, labels)
+    stem = Path(_DUMP_HLO.value) / case.name.replace("/", "_")
+    report.write_text(stem.with_suffix(".hlo"), text)
+    pipeline.write_json(str(stem.with_suffix(".labels.json")), labels)
+  rec = dict(case=case.name, program=case.program, method=case.method, batch=case.batch,
+             v_max=case.v_max, compile_s=round(compile_s, 2),
+             argument_bytes=mem.argument_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+             output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
+             xla_flops=float(cost.get("flops", 0.0)),
+             xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), weights=weights)
+  if case.program == "decode":  # its output is the state: donation works when it aliases
+    rec["donated_state_aliased"] = bool(mem.alias_size_in_bytes >= 0.9 * mem.output_size_in_bytes)
+  return traffic_record(rec, text, labels)
+
+
+def traffic_bounds(case: Case, loop: dict, w: dict[str, float]) -> dict:
+  """The issue's yardsticks for one iteration: ar / forward against weights + target KV; chain
+  against its minimum (target, drafter layers, one more lm_head read, both caches)."""
+  hbm = loop["hbm_bytes"]
+  target_min = w["target"] + w["target_kv"]
+  out = dict(per_chip_weights=w["target"], target_kv=w["target_kv"],
+             hbm_over_weights=hbm / w["target"], hbm_over_weights_and_kv=hbm / target_min)
+  if case.method in ("chain", "cure"):
+    chain_min = target_min + w["drafter"] + w["lm_head"] + w["drafter_kv"]
+    out.update(chain_minimum=chain_min, hbm_over_chain_minimum=hbm / chain_min)
+  return out
+
+
+def weight_bytes(target, drafter, mesh, batch: int, max_len: int) -> dict[str, float]:
+  """Per-chip bytes of the target / drafter weights, lm_head and the KV caches."""
+  place = sharding.Placement(mesh)
+
+  def chip(module, only=None):
+    state = place.annotate(nnx.state(module))
+    flat = [(p, v.get_value()) for p, v in nnx.to_flat_state(state)]
+    return per_chip_bytes([x for p, x in flat if only is None or only in "/".join(map(str, p))])
+
+  def kv(model):
+    cache = abstract_cache(model, batch, max_len, mesh)
+    return per_chip_bytes([cache.k, cache.v])
+
+  head = "embed_tokens" if target.cfg.tie_embeddings else "lm_head"
+  out = dict(target=chip(target), lm_head=chip(target, head), target_kv=kv(target))
+  if drafter is not None:
+    out.update(drafter=chip(drafter), drafter_kv=kv(drafter))
+  return out
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def _gb(x) -> str:
+  return "" if x is None else f"{x / 1e9:.2f}"
+
+
+def markdown(meta: dict, records: list[dict]) -> str:
+  lines = [f"# AOT compile: {meta['target']} + {meta['drafter']} on {meta['topology']}",
+           "", f"mesh data={meta['mesh'][0]} model={meta['mesh'][1]}, dtype {meta['dtype']}, "
+           f"max_len {meta['max_len']}, prompt bucket {meta['prompt_len']}; per chip: target "
+           f"weights {_gb(meta['weights']['target'])} GB, target KV "
+           f"{_gb(meta['weights']['target_kv'])} GB" + (
+               f", drafter {_gb(meta['weights']['drafter'])} GB"
+               if "drafter" in meta["weights"] else "") + ".", ""]
+  rows = []
+  for r in records:
+    it = r["iteration"]
+    labels = it["by_label"]
+    weights = sum(v for k, v in labels.items() if k.endswith(("weights", "head")))
+    b = r["bounds"]
+    rows.append([r["case"], r["compile_s"], _gb(r["argument_bytes"]), _gb(r["temp_bytes"]),
+                 _gb(r["output_bytes"]), str(r.get("donated_state_aliased", "")),
+                 ", ".join(f"{k} {v}" for k, v in it["collectives"].items()) or "0",
+                 it["fusions"], f"{r['xla_flops'] / 1e9:.1f}", _gb(r["xla_bytes_accessed"]),
+                 _gb(it["hbm_bytes"]), _gb(weights), _gb(it["on_chip_bytes_skipped"]),
+                 f"{b['hbm_over_weights_and_kv']:.3f}",
+                 f"{b['hbm_over_chain_minimum']:.3f}" if "hbm_over_chain_minimum" in b else ""])
+  lines.append(report.md_table(
+      ["program", "compile s", "args GB", "temp GB", "out GB", "state aliased", "collectives",
+       "fusions", "XLA GFLOP", "XLA GB", "HBM GB", "of which weights", "on-chip GB skipped",
+       "HBM / (W + KV)", "HBM / chain min"], rows))
+  lines += ["", "Per iteration of the decode loop (one pass of prefill / forward). XLA's figures "
+            "are its cost analysis of the whole module; HBM GB counts the HBM side of each "
+            "top-level op of the optimized HLO (experiments/hlo_traffic.py): on-chip buffers and "
+            "the parts of operands that slices do not read are not counted, which is why it is "
+            "below XLA's bytes accessed.", ""]
+  return "\n".join(lines) + "\n"
+
+
+def traffic_record(rec: dict, text: str, labels: dict[int, str]) -> dict:
+  """rec with the HBM count of `text` (one iteration of its loop, else the whole program)."""
+  traffic = hlo_traffic.count(text, labels)
+  loop = traffic["loops"][0] if traffic["loops"] else traffic["program"]
+  case = Case(rec["program"], rec["method"], rec["batch"], rec["v_max"])
+  return dict(rec, iteration=loop,
+              outside_loops=traffic["outside_loops"] if traffic["loops"] else None,
+              bounds=traffic_bounds(case, loop, rec["weights"]))
+
+
+def recount(output: str, dump: str) -> None:
+  """Rewrites a report from its dumped modules (after a change of experiments/hlo_traffic)."""
+  if not dump:
+    raise app.UsageError("--recount reads the modules of --dump_hlo=DIR")
+  data = json.loads(Path(output + ".json").read_text())
+  for i, rec in enumerate(data["records"]):
+    stem = Path(dump) / rec["case"].replace("/", "_")
+    if not stem.with_suffix(".hlo").is_file():
+      raise app.UsageError(f"{stem}.hlo is missing: run with --dump_hlo={dump} first")
+    labels = {int(k): v for k, v in json.loads(stem.with_suffix(".labels.json").read_text()).items()}
+    data["records"][i] = traffic_record(rec, stem.with_suffix(".hlo").read_text(), labels)
+  pipeline.write_json(output + ".json", data)
+  report.write_text(output + ".md", markdown(data["meta"], data["records"]))
+  print(f"recounted {len(data['records'])} programs into {output}.json and .md")
+
+
+def main(argv):
+  del argv
+  if _RECOUNT.value:
+    return recount(_OUTPUT.value, _DUMP_HLO.value)
+  config = _CONFIG.value
+  methods = [m.strip() for m in _METHODS.value]
+  bad = [m for m in methods if m not in METHODS]
+  if bad:
+    raise app.UsageError(f"--methods: unknown {bad}; choose from {METHODS}")
+  programs = [p.strip() for p in _PROGRAMS.value]
+  if [p for p in programs if p not in PROGRAMS]:
+    raise app.UsageError(f"--programs={_PROGRAMS.value}; choose from {PROGRAMS}")
+  try:
+    v_maxes = [int(v) for v in _V_MAX.value]
+    batches = [int(b) for b in _BATCH.value]
+  except ValueError as e:
+    raise app.UsageError(f"--v_max and --batch take integers: {e}") from e
+  if _PROMPT.value >= _MAX_LEN.value:
+    raise app.UsageError(f"--prompt_len={_PROMPT.value} must be below --max_len={_MAX_LEN.value}")
+  dtype = pipeline.dtype_of(config)
+  if _TOPOLOGY.value == "cpu" and config.dtype == "bfloat16":
+    print("note: the CPU backend upcasts bf16 weights (temporaries of the model's size); CPU "
+          "figures are meaningful in float32 (--config.dtype=float32)")
+  devices = topology_devices(_TOPOLOGY.value)
+  mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)
+  needs_drafter = any(m != "ar" for m in methods)
+  target, drafter = abstract_pair(_TARGET.value, _DRAFTER.value if needs_drafter else None, dtype)
+  sharding.check_models(mesh, target, drafter)
+  for b in batches:
+    if b % mesh.shape[sharding.DATA]:
+      raise app.UsageError(f"--batch={b} does not divide by mesh.data={mesh.shape['data']}")
+  graphdef, params = nnx.split((target, drafter))
+  params = sharding.Placement(mesh).annotate(params)
+  meta = dict(target=_TARGET.value, drafter=_DRAFTER.value if needs_drafter else None,
+              topology=_TOPOLOGY.value, device_kind=devices[0].device_kind,
+              mesh=[int(mesh.shape["data"]), int(mesh.shape["model"])], dtype=config.dtype,
+              max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__)
+  records = []
+  for case in cases(programs, methods, v_maxes, batches):
+    meta["weights"] = weight_bytes(target, drafter, mesh, case.batch, _MAX_LEN.value)
+    lowered = lower_case(case, graphdef, params, config, mesh, drafter)
+    rec = analyse(case, lowered, meta["weights"])
+    records.append(rec)
+    it = rec["iteration"]
+    print(f"{case.name}: compile {rec['compile_s']:.1f} s, HBM {it['hbm_bytes'] / 1e9:.2f} GB "
+          f"per iteration ({rec['bounds']['hbm_over_weights_and_kv']:.3f}x weights + KV), XLA "
+          f"{rec['xla_bytes_accessed'] / 1e9:.2f} GB, {it['collectives']}", flush=True)
+    out = dict(meta=meta, records=records)
+    pipeline.write_json(_OUTPUT.value + ".json", json.loads(json.dumps(out, default=str)))
+    report.write_text(_OUTPUT.value + ".md", markdown(meta, records))
+  print(f"wrote {_OUTPUT.value}.json and .md")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,82 @@
+"""The decode loop compiled by XLA's real TPU compiler (libtpu, compile-only devices, no TPU).
+
+A small random pair, big enough that its weights do not fit in on-chip memory, is compiled for
+v5e 2x2 with tensor parallelism 4 by `experiments.aot` in a child process: libtpu takes a lock
+file, so one process holds it alone, and the rest of the suite stays on CPU (conftest sets
+JAX_PLATFORMS=cpu). Fails when one ar iteration reads more than 1.2x the per-chip weights from
+HBM, or when the collectives per layer change (tensor parallelism needs two all-reduces per
+layer, after o_proj and down_proj, plus a few for the vocabulary-parallel head).
+"""
+
+import fcntl
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cure_jax import random_models
+
+REPO = Path(__file__).resolve().parents[1]
+LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "cure_jax_libtpu.lock"
+# ~290 MB of bf16 weights per chip over 4 chips, more than v5e's 128 MiB of on-chip memory, and
+# a 4096-slot cache of ~50 MB per chip: one relayout copy of it per iteration breaks the bound.
+ARCH = random_models.Arch(vocab=32768, hidden=2048, layers=12, heads=16, kv_heads=8,
+                          head_dim=128, draft_layers=2, block_size=8, target_layer_ids=(1, 10))
+HEAD_COLLECTIVES = 3     # all-reduces of the vocabulary-parallel head / argmax / embedding
+
+
+def _child_env() -> dict:
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  # conftest's `--xla_backend_optimization_level=0` would change the program under test
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if "optimization_level" not in f]
+  env["XLA_FLAGS"] = " ".join(flags)
+  env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+  return env
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+  if importlib.util.find_spec("libtpu") is None:
+    msg = 'libtpu is not installed (pip install "jax[tpu]==<jax version>"; .ci/run does)'
+    print(f"SKIP test_aot_tpu: {msg}")
+    pytest.skip(msg)
+  root = tmp_path_factory.mktemp("aot")
+  for name, cfg in zip(("target", "drafter"),
+                       random_models.hf_configs(ARCH.target_cfg(), ARCH.drafter_cfg())):
+    (root / name).mkdir()
+    (root / name / "config.json").write_text(json.dumps(cfg))
+  cmd = [sys.executable, "-m", "experiments.aot", "--config=configs/qwen3_8b.py",
+         "--topology=v5e:2x2", "--config.mesh.model=4", f"--target={root / 'target'}",
+         f"--drafter={root / 'drafter'}", "--methods=ar,chain", "--batch=1",
+         "--programs=decode", "--max_len=4096", "--prompt_len=64", f"--output={root / 'out'}"]
+  with open(LOCK, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)   # one libtpu process at a time on this machine
+    child = subprocess.run(cmd, cwd=REPO, env=_child_env(), capture_output=True, text=True,
+                           timeout=600)
+  assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+  records = json.loads((root / "out.json").read_text())["records"]
+  return {r["case"]: r for r in records}
+
+
+def test_ar_iteration_reads_each_weight_about_once(compiled):
+  ar = compiled["decode/ar/b1"]
+  weights = ar["weights"]["target"]
+  assert weights > 250e6
+  hbm = ar["iteration"]["hbm_bytes"]
+  assert hbm <= 1.2 * weights, (hbm / weights, ar["iteration"]["largest"][:5])
+  layers = weights - 2 * ARCH.vocab * ARCH.hidden * 2 / 4     # without embedding and head
+  assert ar["iteration"]["by_label"]["target_weights"] > 0.5 * layers   # most come from HBM
+  assert ar["donated_state_aliased"]
+
+
+def test_collectives_per_layer(compiled):
+  ar = compiled["decode/ar/b1"]["iteration"]["collectives"]
+  assert ar == {"all-reduce": 2 * ARCH.layers + HEAD_COLLECTIVES}
+  chain = compiled["decode/chain/b1"]["iteration"]["collectives"]
+  assert chain["all-reduce"] == 2 * (ARCH.layers + ARCH.draft_layers) + HEAD_COLLECTIVES
+  assert chain.get("all-gather", 0) <= 6        # cache commits; none per layer
+  assert set(chain) <= {"all-reduce", "all-gather"}

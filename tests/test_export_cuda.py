@@ -1,0 +1,49 @@
+"""The decoding program lowers for GPU: `jax.export` for the `cuda` platform on a CPU host.
+
+No GPU is needed to lower (only to compile), so this catches a primitive without a CUDA lowering,
+a host callback or a CPU-only custom call in prefill or the decode loop before a researcher's
+GPU run does.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from cure_jax import decoding, random_models, repair
+from cure_jax.generation import decoding_spec
+
+ARCH = random_models.Arch()
+
+
+@pytest.mark.parametrize("method", ["ar", "chain", "cure"])
+def test_prefill_and_decode_export_for_cuda(method):
+  target, drafter = random_models.pair(ARCH, 0)
+  graphdef, params = nnx.split((target, drafter if method != "ar" else None))
+  k = ARCH.block_size if method != "ar" else 1
+  cure = repair.RepairConfig(max_depth=k - 1, v_max=16) if method == "cure" else None
+  spec = decoding_spec(method, drafter, 16, 64, (), k, cure)
+  prompt = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+  plen = jax.ShapeDtypeStruct((2,), jnp.int32)
+  key = jax.eval_shape(jax.random.key, 0)
+
+  def prefill(p, x, n, key):
+    return decoding.prefill(graphdef, p, x, n, key, spec=spec)
+
+  def decode(p, st):
+    return decoding.decode(graphdef, p, st, spec=spec)
+
+  state = jax.eval_shape(prefill, params, prompt, plen, key)
+  pre = jax.export.export(jax.jit(prefill), platforms=("cuda",))(params, prompt, plen, key)
+  dec = jax.export.export(jax.jit(decode, donate_argnums=1), platforms=("cuda",))(params, state)
+  assert pre.platforms == dec.platforms == ("cuda",)
+  text = dec.mlir_module()
+  assert text.count("stablehlo.while") == 1          # the whole generation loop, on device
+  calls = set(re.findall(r"custom_call @(\w+)", text + pre.mlir_module()))
+  assert not {c for c in calls if "cpu" in c.lower() or "callback" in c.lower()}, calls
+  state_avals = [jax.core.ShapedArray(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+  n_params = len(jax.tree.leaves(params))
+  assert list(dec.in_avals[n_params:]) == state_avals
+  assert list(dec.out_avals) == state_avals           # the donated state comes back in place
