@@ -282,7 +282,8 @@ def test_trees_table(bench):
     if r["method"] != "ar":  # the parts add up to τ, up to the truncated last iterations
       assert 0 <= sum(src.values()) - r["tau"] <= ARCH.block_size * NUM_PROMPTS / r["iterations"]
   assert rows["chain"]["sources"]["siblings"] == rows["chain"]["sources"]["redrafted"] == 0
-  assert rows["ddtree v12"]["sources"]["redrafted"] == 0 and rows["ddtree v12"]["drafter_passes"] == 1
+  ddtree = rows["ddtree v12"]
+  assert ddtree["sources"]["redrafted"] == 0 and ddtree["drafter_passes"] == 1
   assert rows["cure earliest v12"]["sources"]["siblings"] == 0
   assert rows["cure earliest v12"]["drafter_passes"] > 1        # the gate fires, a re-draft runs
   assert rows["hybrid v12"]["nodes_verified"] > rows["chain"]["nodes_verified"]
