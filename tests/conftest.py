@@ -4,9 +4,22 @@ The suite runs on CPU even where libtpu is installed (CI installs it for test_ao
 compiles for TPU topologies in a child process of its own: libtpu allows one process at a time).
 """
 
+import gc
 import os
+
+import pytest
 
 # Must happen before jax is imported by any test module. Halves compile time of the decode loops.
 os.environ["XLA_FLAGS"] = " ".join(
     filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops every module's compiled executables when it ends: the suite compiles hundreds of
+  programs in one process, and XLA:CPU once crashed compiling late in a full run."""
+  yield
+  import jax
+  jax.clear_caches()
+  gc.collect()
