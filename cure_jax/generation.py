@@ -19,6 +19,13 @@ PROMPT_BUCKET = 32
 _EXECUTABLES: dict[tuple, tuple] = {}  # (graphdef, Spec, batch, bucket, mesh) -> (prefill, decode)
 
 
+def release_compiled() -> None:
+  """Drops every compiled prefill/decode pair. Each XLA:CPU executable holds hundreds of memory
+  mappings; a process that compiles many model shapes (the test suite) would otherwise reach
+  the kernel's vm.max_map_count (65530), where XLA crashes in its next compile."""
+  _EXECUTABLES.clear()
+
+
 @dataclasses.dataclass
 class Result:
   output_ids: list[int]

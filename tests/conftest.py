@@ -13,13 +13,18 @@ import pytest
 os.environ["XLA_FLAGS"] = " ".join(
     filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests compile fresh programs; a persistent cache left by an earlier run would hide compile paths.
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  """Drops every module's compiled executables when it ends: the suite compiles hundreds of
-  programs in one process, and XLA:CPU once crashed compiling late in a full run."""
+  """Drops every module's compiled executables when it ends. The suite compiles hundreds of
+  programs in one process; kept alive, their memory mappings pass vm.max_map_count and XLA:CPU
+  segfaults in a later compile."""
   yield
   import jax
+  from cure_jax import generation
+  generation.release_compiled()
   jax.clear_caches()
   gc.collect()

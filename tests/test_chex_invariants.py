@@ -156,8 +156,7 @@ class TreeInvariants(chex.TestCase):
     k, _, cfg, _ = case
     build = self.variant(tree_lib.build, static_argnames=("v_max", "keep_branch0"))
     t, x = self._tree(case, build)
-    r = x["depth"].shape[1]
-    v = min(cfg.v_max, k + r * (k - 1))
+    v = cfg.v_max  # padded to exactly the budget, so leaves (hybrid) can fill every slot
     chex.assert_shape([t.tokens, t.parent, t.depth, t.valid, t.branch, t.source], (BATCH, v))
     chex.assert_shape(t.ancestors, (BATCH, v, v))
     chex.assert_type([t.tokens, t.parent, t.depth, t.valid, t.ancestors],
@@ -184,9 +183,11 @@ class TreeInvariants(chex.TestCase):
     # Tokens: branch 0 is the draft, a repair node is its path's row at its depth.
     draft = np.asarray(x["draft"])
     rep = valid & (source >= k)
-    path, at = (source - k) // (k - 1), (source - k) % (k - 1)
+    # Padding slots (invalid, past the raw candidates) are clipped only to index safely.
+    path = np.clip((source - k) // (k - 1), 0, rows.shape[1] - 1)
+    at = (source - k) % (k - 1)
     want = np.where(branch == 0, np.take_along_axis(draft, np.maximum(depth - 1, 0), 1), tokens)
-    want = np.where(rep, rows[np.arange(BATCH)[:, None], np.maximum(path, 0), at], want)
+    want = np.where(rep, rows[np.arange(BATCH)[:, None], path, at], want)
     chex.assert_trees_all_equal(np.where(inner, tokens, 0), np.where(inner, want, 0))
     # How many nodes: every usable candidate (branch 0 to the limit, each path from its focal
     # depth to the limit), cut to v_max.
