@@ -17,6 +17,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 
+# `pytest -n 2 --dist loadgroup` (the README's command): a file whose tests share a costly module
+# fixture or a lock (libtpu) stays on one worker; these files' tests are spread one by one.
+_SPREAD = {"test_lossless", "test_notebooks", "test_sampling", "test_best_first", "test_budget",
+           "test_tree", "test_redraft", "test_replay", "test_host_sync", "test_chex_invariants"}
+
+
+def pytest_collection_modifyitems(items):
+  """Groups tests for xdist, and starts the notebooks (the longest single tests) first so that
+  no worker is left finishing one alone at the end."""
+  for item in items:
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    if module not in _SPREAD:
+      item.add_marker(pytest.mark.xdist_group(module))
+  items.sort(key=lambda item: item.module.__name__ != "tests.test_notebooks")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drops every module's compiled executables when it ends. The suite compiles hundreds of
