@@ -79,6 +79,7 @@ def _global_max(value: int) -> int:
 
 
 def _global_sum(x: np.ndarray) -> np.ndarray:
+  """x summed over all processes (statistics of data split between hosts)."""
   if jax.process_count() == 1:
     return x
   return np.asarray(multihost_utils.process_allgather(x)).sum(0)
@@ -143,9 +144,10 @@ class Data:
     n = int(max(self.ends[i] - self.starts[i] for i in idx)) if len(idx) else 1
     return _global_max(-(-n // self.len_bucket) * self.len_bucket)
 
-  def _arrays(self, rows: list[tuple[int, np.ndarray]], a: int, k: int, mask_id: int, t: int):
-    """Batch arrays for rows (sequence, anchors <= a); missing anchors and rows are masked."""
-    b = len(rows)
+  def _arrays(self, rows: list[tuple[int, np.ndarray]], b: int, a: int, k: int, mask_id: int,
+              t: int):
+    """Batch arrays of b rows: rows (sequence, <= a anchors) first; missing anchors and rows
+    are masked out."""
     feats = np.zeros((b, t, self.features.shape[1]), self.features.dtype)  # [B, T, F]
     blocks = np.full((b, a, k), mask_id, np.int32)                         # [B, A, K]
     anchors = np.zeros((b, a), np.int32)                                   # [B, A]
@@ -173,10 +175,12 @@ class Data:
       n, pl = self.ends[i] - self.starts[i], self.prompt_lens[i]
       cand = np.arange(pl, n - 1)
       n_prompt = rng.binomial(a, prompt_frac) if pl > 2 else 0
-      pos = np.concatenate([rng.choice(cand, size=a - n_prompt, replace=len(cand) < a - n_prompt),
-                            rng.integers(1, pl - 1, size=n_prompt)]).astype(np.int32)
+      pos = np.concatenate([
+          rng.choice(cand, size=a - n_prompt, replace=len(cand) < a - n_prompt),
+          rng.integers(1, pl - 1, size=n_prompt) if n_prompt else np.zeros(0, int)])
+      pos = pos.astype(np.int32)
       out.append((i, pos))
-    return self._arrays(out, a, k, mask_id, self._length(idx))
+    return self._arrays(out, rows, a, k, mask_id, self._length(idx))
 
   def eval_batches(self, rows: int, a: int, k: int, mask_id: int, stride: int):
     """Every stride-th answer anchor of the held-out sequences, `a` per row, `rows` rows per
@@ -188,10 +192,7 @@ class Data:
     t = self._length(self.eval_idx)
     count = _global_max(-(-len(chunks) // rows))
     for c in range(count):
-      part = chunks[c * rows:(c + 1) * rows]
-      part += [(int(self.eval_idx[0]) if len(self.eval_idx) else 0, np.zeros(0, np.int32))] * (
-          rows - len(part))
-      yield self._arrays(part, a, k, mask_id, t)
+      yield self._arrays(chunks[c * rows:(c + 1) * rows], rows, a, k, mask_id, t)
 
 
 def load_data(config) -> Data:
