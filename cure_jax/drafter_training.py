@@ -209,8 +209,8 @@ def check_data(data: Data, config, target_cfg) -> None:
   meta, ids = data.meta, list(config.model.target_layer_ids)
   if list(meta["target_layer_ids"]) != ids:
     raise ValueError(f"data {list(config.data.folders)} holds features of target_layer_ids "
-                     f"{meta['target_layer_ids']}, the config asks for {ids}; set "
-                     f"model.target_layer_ids={meta['target_layer_ids']} or regenerate the data")
+                     f"{meta['target_layer_ids']}, the config asks for {ids}; set --config.model."
+                     f"target_layer_ids='{tuple(meta['target_layer_ids'])}' or regenerate the data")
   width = len(ids) * target_cfg.hidden_size
   if int(meta["hidden"]) != target_cfg.hidden_size or data.features.shape[1] != width:
     raise ValueError(f"data features are [N, {data.features.shape[1]}] (hidden {meta['hidden']}), "

@@ -22,7 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_disable_hlo_passes=constant_folding")
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from cure_jax import drafter_training, pipeline
@@ -79,6 +79,7 @@ def measure(config) -> dict:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   config = _CONFIG.value
   if _STAGE.value == "measure":
     measure(config)

@@ -87,7 +87,7 @@ def world(tmp_path_factory):
 def make_config(world, name: str, **overrides):
   config = tiny.get_config()
   config.target.path = str(world.target_dir)
-  config.data.folders = [str(world.data)]
+  config.data.folders = (str(world.data),)
   config.workdir = str(world.root / name)
   for key, value in overrides.items():
     section, field = key.split("__")
@@ -193,10 +193,10 @@ def test_data_parallel_step_equals_single_device(world):
 @pytest.mark.parametrize("overrides, error, match", [
     (dict(model__block_size=1), ValueError, "block_size=1 < 2"),
     (dict(train__loss_positions=4), ValueError, "loss_positions=4"),
-    (dict(model__target_layer_ids=[0, 3]), ValueError, r"target_layer_ids \[1, 3\].*\[0, 3\]"),
+    (dict(model__target_layer_ids=(0, 3)), ValueError, r"target_layer_ids \[1, 3\].*\[0, 3\]"),
     (dict(model__init_from=3), ValueError, "init_from=3"),
     (dict(model__mask_token_id=96), ValueError, "mask_token_id 96"),
-    (dict(data__folders=["/nonexistent/drafter_data"]), FileNotFoundError,
+    (dict(data__folders=("/nonexistent/drafter_data",)), FileNotFoundError,
      "/nonexistent/drafter_data"),
 ])
 def test_bad_input_is_named(world, overrides, error, match):

@@ -10,7 +10,7 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="float32",              # the frozen target's embedding / head / copied layers
   ))
   config.data = ml_collections.ConfigDict(dict(
-      folders=[],                   # make_drafter_data outputs; "{process}" -> jax.process_index()
+      folders=(),                   # make_drafter_data outputs; "{process}" -> jax.process_index()
       eval_seqs=24,                 # held-out generated sequences (by prompt uid)
       split_seed=0,                 # seed of the held-out split (keep it when resuming)
       eval_uids="",                 # JSON {eval_uids: [...]}: a fixed held-out set instead
@@ -23,7 +23,7 @@ def base_config() -> ml_collections.ConfigDict:
       init_from=-1,                 # first target layer copied into the drafter (-1: the top ones)
       block_size=16,
       mask_token_id=0,              # a token the target never emits
-      target_layer_ids=[],          # must equal the data's (features = hidden_states[id + 1])
+      target_layer_ids=(),          # must equal the data's (features = hidden_states[id + 1])
       init_drafter="",              # start from this DFlash HF dir instead of the target's layers
       dtype="float32",              # drafter parameters
   ))

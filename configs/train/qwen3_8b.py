@@ -19,14 +19,14 @@ def get_config():
   config = common.base_config()
   config.target.path = "/ckpt/Qwen3-8B"
   config.target.dtype = "bfloat16"
-  config.data.folders = ["/data/dflash/host{process}"]
+  config.data.folders = ("/data/dflash/host{process}",)
   config.data.eval_seqs = 32               # per host: 512 held-out sequences in all
   config.data.text_weight = 0.0            # generated continuations only
   config.data.len_bucket = 512
   config.model.num_layers = 5
   config.model.block_size = 16
   config.model.mask_token_id = 151669
-  config.model.target_layer_ids = [1, 9, 17, 25, 33]
+  config.model.target_layer_ids = (1, 9, 17, 25, 33)
   config.model.init_from = -1              # target layers 31..35
   config.train.steps = 20_000              # 256 x 32 blocks a step: ~2 passes over the answers
   config.train.seqs_per_step = 256         # 4 per chip on 64 chips

@@ -12,12 +12,12 @@ from configs.train import common
 def get_config():
   config = common.base_config()
   config.target.path = "embedded:smollm2"
-  config.data.folders = ["runs/drafter_data", "runs/drafter_text"]
+  config.data.folders = ("runs/drafter_data", "runs/drafter_text")
   config.data.eval_seqs = 10
   config.model.num_layers = 2
   config.model.block_size = 16
   config.model.mask_token_id = 15          # <jupyter_script>: never emitted
-  config.model.target_layer_ids = [1, 8, 15, 22, 27]
+  config.model.target_layer_ids = (1, 8, 15, 22, 27)
   config.train.steps = 1300                # ~33 min at 1.3-1.8 s/step on 2 CPU cores
   config.train.seqs_per_step = 4
   config.train.anchors_per_seq = 24

@@ -1,7 +1,7 @@
 """A tiny drafter on a tiny random target: trains in seconds (tests/test_train_drafter.py).
 
 The target and data are built by the test (a random Qwen3 HF directory and shards of its greedy
-continuations); pass them in to run it by hand:
+continuations); pass them in to run it by hand (one --config.data.folders=F per folder):
 
   python -m experiments.train_drafter --config=configs/train/tiny.py \
     --config.target.path=DIR --config.data.folders=DATA --config.workdir=RUN
@@ -17,7 +17,7 @@ def get_config():
   config.model.num_layers = 2
   config.model.block_size = 4
   config.model.mask_token_id = 95          # the last id of the test target's 96
-  config.model.target_layer_ids = [1, 3]   # 4-layer target: hidden_states[2] and [4]
+  config.model.target_layer_ids = (1, 3)   # 4-layer target: hidden_states[2] and [4]
   config.train.steps = 12
   config.train.seqs_per_step = 8
   config.train.anchors_per_seq = 8
