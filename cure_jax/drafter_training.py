@@ -562,8 +562,8 @@ class Trainer:
     """Held-out per-position accuracy (full head) and teacher-forced tau."""
     e, m = self.config.eval, self.config.model
     total = None
-    for batch in self.data.eval_batches(e.rows // jax.process_count(), e.anchors, m.block_size, m.mask_token_id,
-                                        e.stride):
+    for batch in self.data.eval_batches(e.rows // jax.process_count(), e.anchors, m.block_size,
+                                        m.mask_token_id, e.stride):
       out = jax.device_get(eval_step(self.graphdef, self.state["params"], self.embed, self.head,
                                      self._put(batch)))
       total = out if total is None else {k: total[k] + out[k] for k in out}
@@ -577,9 +577,10 @@ class Trainer:
     return row
 
   def save(self) -> None:
-    self.ckpt.save(self.step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(self.state), history=ocp.args.JsonSave(dict(rows=self.history))),
-        force=True)
+    """Checkpoints the state and the history (orbax publishes a step only once complete)."""
+    self.ckpt.save(self.step, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(self.state),
+        history=ocp.args.JsonSave(dict(rows=self.history))))
 
   def _restore(self, step: int) -> None:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
