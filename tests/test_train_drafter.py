@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -26,7 +25,7 @@ from transformers import Qwen3ForCausalLM
 
 from configs.train import tiny
 from convert.qwen3 import load_target
-from cure_jax import drafter_training
+from cure_jax import drafter_data, drafter_training
 from tests.dflash_reference import PairSpec, build_pair, reference_block_logits
 
 DEVICES = 8
@@ -48,8 +47,7 @@ def _forward(target, ids):
 
 
 def _write_data(target_dir: Path, out: Path) -> None:
-  """One shard of SEQS random prompts with the target's greedy continuations, in the layout of
-  make_drafter_data (bfloat16 features stored as their uint16 bits)."""
+  """One shard of SEQS random prompts with the target's greedy continuations."""
   target = load_target(target_dir, jnp.float32, progress=False)
   rng = np.random.default_rng(0)
   plens = rng.integers(4, 9, SEQS)
@@ -60,20 +58,13 @@ def _write_data(target_dir: Path, out: Path) -> None:
     greedy = np.asarray(_forward(target, jnp.asarray(ids))[1])
     ids[np.arange(SEQS), plens + j] = greedy[np.arange(SEQS), plens + j - 1]
   feats, greedy = map(np.asarray, _forward(target, jnp.asarray(ids)))
-  lens = plens + NEW
-  out.mkdir(parents=True)
-  (out / "meta.json").write_text(json.dumps(dict(
+  drafter_data.write_meta(out, dict(
       target=str(target_dir), target_layer_ids=list(SPEC.target_layer_ids),
-      feature_layers=[i + 1 for i in SPEC.target_layer_ids], hidden=SPEC.hidden_size,
-      feature_dtype="bfloat16", mode="generate")))
-  np.savez(out / "shard_0000.npz",
-           tokens=np.concatenate([ids[r, :n] for r, n in enumerate(lens)]),
-           offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-           prompt_lens=plens.astype(np.int32), uids=np.arange(SEQS, dtype=np.int64),
-           stopped=np.zeros(SEQS, bool),
-           features=np.concatenate([feats[r, :n] for r, n in enumerate(lens)]).astype(
-               ml_dtypes.bfloat16).view(np.uint16),
-           greedy=np.concatenate([greedy[r, :n] for r, n in enumerate(lens)]).astype(np.int32))
+      feature_layers=[i + 1 for i in SPEC.target_layer_ids], hidden=SPEC.hidden_size, feature_dtype=drafter_data.FEATURE_DTYPE, mode="generate"))
+  n = plens + NEW
+  drafter_data.save_shard(out, 0, [
+      dict(uid=r, ids=ids[r, :n[r]], prompt_len=int(plens[r]), stopped=False,
+           features=feats[r, :n[r]], greedy=greedy[r, :n[r]]) for r in range(SEQS)])
 
 
 @pytest.fixture(scope="module")
