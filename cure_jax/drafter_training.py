@@ -63,6 +63,10 @@ def check_config(config) -> None:
       problems.append(f"train.{name}={t[name]} must be >= 1")
   if not t.lr > 0:
     problems.append(f"train.lr={t.lr} must be > 0")
+  for name, value in (("target.dtype", config.target.dtype), ("model.dtype", m.dtype),
+                      ("export.dtype", config.export.dtype)):
+    if value not in pipeline.DTYPES:
+      problems.append(f"{name}={value!r} is not one of {sorted(pipeline.DTYPES)}")
   if problems:
     raise ValueError("bad training config: " + "; ".join(problems) + ".")
 
@@ -458,9 +462,9 @@ class Trainer:
     check_config(config)
     self.config = config
     self.mesh = make_mesh(config)
-    t = config.train
     data_axis = self.mesh.shape[sharding.DATA]
-    for name, rows in (("train.seqs_per_step", t.seqs_per_step), ("eval.rows", config.eval.rows)):
+    for name, rows in (("train.seqs_per_step", config.train.seqs_per_step),
+                       ("eval.rows", config.eval.rows)):
       if rows % data_axis or rows % jax.process_count():
         raise ValueError(f"{name}={rows} must be a multiple of the {data_axis} data-parallel "
                          f"devices and of the {jax.process_count()} processes")
@@ -472,7 +476,29 @@ class Trainer:
     self.cfg = drafter_config(target.cfg, config.model)
     self.cfg.check_against(target.cfg)
     _log(f"data: {self.data.summary()}")
+    self._set_heads(target)
+    self.hyper = Hyper.of(config.train)
+    self.graphdef, params = nnx.split(self._initial_drafter(target), nnx.Param)
+    del target
+    replicated = NamedSharding(self.mesh, P())
+    params = sharding.shard_state(params, self.mesh)
+    opt_state = jax.jit(self.hyper.optimizer().init, out_shardings=replicated)(params)
+    self.state = dict(params=params, opt_state=opt_state,
+                      step=jax.device_put(jnp.int32(0), replicated))
+    self.history: list[dict] = []
+    self.ckpt = ocp.CheckpointManager(
+        Path(config.workdir).resolve() / "checkpoints",
+        options=ocp.CheckpointManagerOptions(max_to_keep=int(config.checkpoint.keep)))
+    if self.ckpt.latest_step() is not None:
+      self._restore(self.ckpt.latest_step())
+    elif jax.process_index() == 0:
+      pipeline.write_json(os.path.join(config.workdir, "eval_uids.json"),
+                          dict(eval_uids=[int(u) for u in self.data.uids[self.data.eval_idx]]))
 
+  def _set_heads(self, target) -> None:
+    """The frozen embedding, the full head [V, H] (evaluation, export) and the training head
+    over train.vocab_subset ids with remap [V] (id -> its row, -1 outside)."""
+    t = self.config.train
     replicated = NamedSharding(self.mesh, P())
     self.embed = target.embed_tokens.embedding[...]
     head = self.embed if target.cfg.tie_embeddings else target.lm_head.kernel[...].T  # [V, H]
@@ -490,24 +516,6 @@ class Trainer:
     self.remap = jax.device_put(remap, replicated)
     self.weights = jax.device_put(position_weights(self.cfg.block_size, t.gamma,
                                                    t.loss_positions), replicated)
-
-    self.hyper = Hyper.of(t)
-    drafter = self._initial_drafter(target)
-    del target
-    self.graphdef, params = nnx.split(drafter, nnx.Param)
-    params = sharding.shard_state(params, self.mesh)
-    opt_state = jax.jit(self.hyper.optimizer().init, out_shardings=replicated)(params)
-    self.state = dict(params=params, opt_state=opt_state,
-                      step=jax.device_put(jnp.int32(0), replicated))
-    self.history: list[dict] = []
-    self.ckpt = ocp.CheckpointManager(
-        Path(config.workdir).resolve() / "checkpoints",
-        options=ocp.CheckpointManagerOptions(max_to_keep=int(config.checkpoint.keep)))
-    if self.ckpt.latest_step() is not None:
-      self._restore(self.ckpt.latest_step())
-    elif jax.process_index() == 0:
-      pipeline.write_json(os.path.join(config.workdir, "eval_uids.json"),
-                          dict(eval_uids=[int(u) for u in self.data.uids[self.data.eval_idx]]))
 
   def _initial_drafter(self, target) -> DFlash:
     m = self.config.model

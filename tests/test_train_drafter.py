@@ -187,6 +187,7 @@ def test_data_parallel_step_equals_single_device(world):
     (dict(model__target_layer_ids=(0, 3)), ValueError, r"target_layer_ids \[1, 3\].*\[0, 3\]"),
     (dict(model__init_from=3), ValueError, "init_from=3"),
     (dict(model__mask_token_id=96), ValueError, "mask_token_id 96"),
+    (dict(model__dtype="float64"), ValueError, "model.dtype='float64'"),
     (dict(data__folders=("/nonexistent/drafter_data",)), FileNotFoundError,
      "/nonexistent/drafter_data"),
 ])
