@@ -486,6 +486,7 @@ class Trainer:
     self.state = dict(params=params, opt_state=opt_state,
                       step=jax.device_put(jnp.int32(0), replicated))
     self.history: list[dict] = []
+    self._next: tuple[int, dict] | None = None  # (step, this process's rows of its batch)
     self.ckpt = ocp.CheckpointManager(
         Path(config.workdir).resolve() / "checkpoints",
         options=ocp.CheckpointManagerOptions(max_to_keep=int(config.checkpoint.keep)))
@@ -556,10 +557,12 @@ class Trainer:
                                  rng)
 
   def take_step(self) -> dict:
+    """One training step; the next step's batch is built while this one runs."""
     step = self.step
+    batch = self._next[1] if self._next and self._next[0] == step else self.batch(step)
     self.state, metrics = train_step(self.graphdef, self.hyper, self.state, self.embed,
-                                     self.train_head, self.remap, self.weights,
-                                     self._put(self.batch(step)))
+                                     self.train_head, self.remap, self.weights, self._put(batch))
+    self._next = (step + 1, self.batch(step + 1))
     metrics = jax.device_get(metrics)
     row = dict(step=step + 1, loss=float(metrics["loss"]), lr=float(self.hyper.schedule(step)),
                train_acc=(metrics["correct"] / np.maximum(metrics["count"], 1)).tolist())
