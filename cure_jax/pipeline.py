@@ -36,14 +36,21 @@ def _embedded() -> dict:
           "embedded:smollm2_ar_drafter": lambda: default_model.SMOLLM2_AR_DRAFTER_DIR}
 
 
+def resolve_path(path: str) -> str:
+  """An `embedded:NAME` path -> the packaged model folder (converting on first use); any other
+  path as it is."""
+  if not path.startswith("embedded:"):
+    return path
+  embedded = _embedded()
+  if path not in embedded:
+    raise ValueError(f"unknown embedded model {path!r}; known: {sorted(embedded)}")
+  return embedded[path]()
+
+
 def resolve_paths(config) -> None:
   """Replaces `embedded:NAME` paths by the packaged model folders (converting on first use)."""
-  embedded = _embedded()
   for section in (config.target, config.drafter):
-    if section.path.startswith("embedded:"):
-      if section.path not in embedded:
-        raise ValueError(f"unknown embedded model {section.path!r}; known: {sorted(embedded)}")
-      section.path = embedded[section.path]()
+    section.path = resolve_path(section.path)
 
 
 def init_distributed(config) -> None:

@@ -32,17 +32,25 @@ from absl import app, flags
 from flax import nnx
 
 from convert import checkpoint, qwen3 as convert_qwen3
-from cure_jax import default_model
+from cure_jax import default_model, drafter_data
+from cure_jax.drafter_training import Data
 from cure_jax.models.qwen3 import Qwen3
-from experiments.train_drafter import Data
 
 FLAGS = flags.FLAGS
-# experiments.train_drafter defines data, eval_uids, target, export, num_layers, vocab_subset, lr,
-# weight_decay, warmup, max_minutes, log_every and seed; these are this script's defaults.
-for _name, _value in dict(eval_uids="runs/drafter_eval_uids.json",
-                          export="cure_jax/assets/smollm2_ar_drafter", lr=2e-3, warmup=20,
-                          max_minutes=12.0).items():
-  FLAGS.set_default(_name, _value)
+flags.DEFINE_list("data", ["runs/drafter_data", "runs/drafter_text"],
+                  "Folders written by make_drafter_data (generate and text modes).")
+flags.DEFINE_string("eval_uids", "runs/drafter_eval_uids.json", "JSON file {eval_uids: [...]}: "
+                    "held-out sequences by prompt uid (empty: a seeded split of 10).")
+flags.DEFINE_string("target", None, "Target HF dir (default: the converted packaged SmolLM2).")
+flags.DEFINE_string("export", "cure_jax/assets/smollm2_ar_drafter", "Output HF directory.")
+flags.DEFINE_integer("num_layers", 2, "Drafter layers.")
+flags.DEFINE_integer("vocab_subset", 8192, "Training head: most frequent label ids (0 = full).")
+flags.DEFINE_float("lr", 2e-3, "Peak learning rate.")
+flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
+flags.DEFINE_integer("warmup", 20, "Warm-up steps.")
+flags.DEFINE_float("max_minutes", 12.0, "Training time budget (cosine schedule spans it).")
+flags.DEFINE_integer("log_every", 10, "Steps between log lines.")
+flags.DEFINE_integer("seed", 0, "Seed (held-out split and batch order).")
 flags.DEFINE_list("init_layers", ["0", "1"], "Target layer copied into each drafter layer (the "
                   "bottom layers: with a top layer, e.g. 0,29, the drafter starts at 0% agreement "
                   "and learns several times slower).")
@@ -194,7 +202,7 @@ def main(argv):
   model = init_drafter(target, FLAGS.num_layers, init_layers)
   del target
   eval_uids = json.load(open(FLAGS.eval_uids))["eval_uids"] if FLAGS.eval_uids else None
-  data = Data(FLAGS.data, 10, FLAGS.seed, eval_uids)
+  data = Data(drafter_data.load_shards(FLAGS.data), 10, FLAGS.seed, eval_uids)
   # No training sequence shares a prompt with a held-out one.
   train_idx = data.train_idx[~np.isin(data.uids[data.train_idx], data.uids[data.eval_idx])]
   n_train = int(np.minimum(data.ends - data.starts, FLAGS.seq_len)[train_idx].sum())

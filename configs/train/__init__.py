@@ -1,0 +1,1 @@
+"""Drafter training configs (`python -m experiments.train_drafter --config=configs/train/X.py`)."""

@@ -1,0 +1,72 @@
+"""Fields shared by every drafter training config; each config file overrides what differs."""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.target = ml_collections.ConfigDict(dict(
+      path="",                      # Qwen3/Llama HF dir, converted checkpoint or embedded:smollm2
+      dtype="float32",              # the frozen target's embedding / head / copied layers
+  ))
+  config.data = ml_collections.ConfigDict(dict(
+      folders=(),                   # make_drafter_data outputs; "{process}" -> jax.process_index()
+      eval_seqs=24,                 # held-out generated sequences (by prompt uid)
+      split_seed=0,                 # seed of the held-out split (keep it when resuming)
+      eval_uids="",                 # JSON {eval_uids: [...]}: a fixed held-out set instead
+      text_weight=0.5,              # sampling weight of a text-mode answer vs a generated one
+      prompt_anchor_frac=0.0,       # share of anchors drawn inside the prompt
+      len_bucket=128,               # contexts are padded to a multiple (one compile each)
+  ))
+  config.model = ml_collections.ConfigDict(dict(
+      num_layers=2,
+      init_from=-1,                 # first target layer copied into the drafter (-1: the top ones)
+      block_size=16,
+      mask_token_id=0,              # a token the target never emits
+      target_layer_ids=(),          # must equal the data's (features = hidden_states[id + 1])
+      init_drafter="",              # start from this DFlash HF dir instead of the target's layers
+      dtype="float32",              # drafter parameters
+  ))
+  config.train = ml_collections.ConfigDict(dict(
+      steps=1000,
+      seqs_per_step=8,              # sequences per global batch
+      anchors_per_seq=32,           # blocks per sequence
+      loss_positions=15,            # block positions 1..n in the loss
+      vocab_subset=0,               # training head: the n most frequent label ids (0: full)
+      gamma=4.0,                    # loss weight of position k: exp(-(k-1)/gamma)
+      lr=6e-4,                      # peak; linear warm-up, cosine to end_lr_frac * lr at `steps`
+      end_lr_frac=0.05,
+      warmup=30,
+      b1=0.9,
+      b2=0.98,
+      weight_decay=0.01,
+      clip_norm=1.0,
+      seed=0,                       # drafter init and batch sampling
+      max_minutes=0.0,              # stop (with a checkpoint) after this long; 0: no budget
+      log_every=10,
+  ))
+  config.eval = ml_collections.ConfigDict(dict(
+      every=100,                    # steps between held-out evaluations (0: none)
+      stride=3,                     # every n-th answer anchor of the held-out sequences
+      anchors=64,                   # anchors per row
+      rows=8,                       # rows per batch (a multiple of the data-parallel devices)
+  ))
+  config.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=2))
+  config.workdir = ""               # checkpoints (orbax) and eval_uids.json
+  config.export = ml_collections.ConfigDict(dict(
+      path="",                      # DFlash HF directory written when training ends
+      dtype="bfloat16",
+  ))
+  config.mesh = ml_collections.ConfigDict(dict(
+      data=0,                       # data-parallel devices (0: all)
+      distributed=False,            # multi-host: jax.distributed.initialize() first
+  ))
+  config.measure = ml_collections.ConfigDict(dict(
+      drafter="",                   # DFlash directory to measure (default: export.path)
+      prompts=20,                   # HumanEval 0..n-1
+      new_tokens=128,
+      methods="ar,chain,cure:margin,cure:earliest,cure:expected_gain",
+      batch=10,
+      out="",                       # JSON file for the results
+  ))
+  return config

@@ -1,0 +1,34 @@
+"""The shipped SmolLM2-135M-Instruct drafter's recipe (cure_jax/assets/smollm2_dflash; the runs
+are in WORKSPACE.md): 2 layers from the target's top, block 16, CPU-sized batches.
+
+  PYTHONPATH=. python -m experiments.train_drafter --config=configs/train/smollm2_135m.py
+  PYTHONPATH=. python -m experiments.train_drafter --config=configs/train/smollm2_135m.py \
+    --stage=measure --config.measure.drafter=cure_jax/assets/smollm2_dflash
+"""
+
+from configs.train import common
+
+
+def get_config():
+  config = common.base_config()
+  config.target.path = "embedded:smollm2"
+  config.data.folders = ("runs/drafter_data", "runs/drafter_text")
+  config.data.eval_seqs = 10
+  config.model.num_layers = 2
+  config.model.block_size = 16
+  config.model.mask_token_id = 15          # <jupyter_script>: never emitted
+  config.model.target_layer_ids = (1, 8, 15, 22, 27)
+  config.train.steps = 1300                # ~33 min at 1.3-1.8 s/step on 2 CPU cores
+  config.train.seqs_per_step = 4
+  config.train.anchors_per_seq = 24
+  config.train.loss_positions = 10         # the head is the costliest part on CPU
+  config.train.vocab_subset = 8192         # covers all of this data's labels
+  config.train.lr = 8e-4                   # the shipped drafter: 1e-3, then 8e-4, then 5e-4
+  config.train.warmup = 20
+  config.train.gamma = 4.0
+  config.eval.every = 150
+  config.eval.stride = 3
+  config.checkpoint.every = 50
+  config.workdir = "runs/drafter_train"
+  config.export.path = "runs/smollm2_dflash"
+  return config
