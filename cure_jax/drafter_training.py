@@ -48,7 +48,7 @@ def check_config(config) -> None:
   if not config.target.path:
     problems.append("set target.path to the target's HF directory (or embedded:smollm2)")
   if not list(config.data.folders):
-    problems.append("set data.folders to folders written by experiments.make_drafter_data")
+    problems.append("set data.folders to folders written by experiments.train_drafter --stage=data")
   if not config.workdir:
     problems.append("set workdir (checkpoints go to workdir/checkpoints)")
   if m.block_size < 2:

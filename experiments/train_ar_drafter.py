@@ -3,7 +3,7 @@
 The drafter is the target's Llama architecture cut to --num_layers layers, initialised from the
 target layers --init_layers, the target's final norm and its (tied) embedding, which stays
 frozen. Loss: cross-entropy against the target's greedy token after every position of every
-training sequence (prompt and answer), from the make_drafter_data shards; sequences are packed
+training sequence (prompt and answer), from the train_drafter --stage=data shards; sequences are packed
 into rows of --seq_len tokens. During training the head is restricted to the --vocab_subset most
 frequent labels (CPU speed); evaluation and the exported drafter use the full head. The result is
 an HF Llama directory (config.json + model.safetensors, bfloat16, tied) plus training.json.
@@ -38,7 +38,7 @@ from cure_jax.models.qwen3 import Qwen3
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("data", ["runs/drafter_data", "runs/drafter_text"],
-                  "Folders written by make_drafter_data (generate and text modes).")
+                  "Folders written by train_drafter --stage=data (generate and text modes).")
 flags.DEFINE_string("eval_uids", "runs/drafter_eval_uids.json", "JSON file {eval_uids: [...]}: "
                     "held-out sequences by prompt uid (empty: a seeded split of 10).")
 flags.DEFINE_string("target", None, "Target HF dir (default: the converted packaged SmolLM2).")

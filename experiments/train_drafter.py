@@ -8,8 +8,12 @@
   PYTHONPATH=. python -m experiments.train_drafter --config=configs/train/smollm2_135m.py \
       --stage=measure --config.measure.drafter=cure_jax/assets/smollm2_dflash
 
-Training resumes from the latest checkpoint in config.workdir; data come from
-experiments.make_drafter_data.
+  # the target's responses to config.generate.prompts, with features, into config.generate.out:
+  PYTHONPATH=. python -m experiments.train_drafter --config=configs/train/smollm2_135m.py \
+      --stage=data
+
+Training resumes from the latest checkpoint in config.workdir; --stage=data resumes too (prompts
+already in the folder's shards are skipped).
 """
 
 from __future__ import annotations
@@ -29,9 +33,36 @@ from cure_jax import drafter_training, pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train/smollm2_135m.py",
                                           "ml_collections drafter training config file")
-_STAGE = flags.DEFINE_enum("stage", "train", ["train", "export", "measure"],
-                           "train (then export when train.steps are done), export the latest "
-                           "checkpoint, or measure a drafter's tau.")
+_STAGE = flags.DEFINE_enum("stage", "train", ["data", "train", "export", "measure"],
+                           "data (the target's responses and features), train (then export "
+                           "when train.steps are done), export the latest checkpoint, or "
+                           "measure a drafter's tau.")
+
+
+def generate_data(config) -> dict:
+  """Writes the target's responses to config.generate.prompts, with features, as shards."""
+  from convert.qwen3 import load_target
+  from cure_jax import drafter_data, prompts as prompts_lib
+
+  g = config.generate
+  if not g.prompts or not g.out:
+    raise app.UsageError("--stage=data needs --config.generate.prompts (JSONL files) and "
+                         "--config.generate.out (the data folder)")
+  if not config.model.target_layer_ids:
+    raise app.UsageError("--stage=data needs --config.model.target_layer_ids")
+  target_dir = pipeline.resolve_path(config.target.path)
+  rows = [row for path in g.prompts for row in prompts_lib.read_jsonl(path)]
+  tokenizer = pipeline.load_tokenizer(target_dir)
+  target = load_target(target_dir, pipeline.dtype_of(config.target), progress=False)
+  stats = drafter_data.run(
+      target, tokenizer, rows, out=g.out, target_dir=target_dir,
+      target_layer_ids=tuple(config.model.target_layer_ids),
+      stops=pipeline.stop_ids(target_dir, tokenizer), batch_size=g.batch_size,
+      max_new_tokens=g.max_new_tokens, prompt_buckets=tuple(g.prompt_buckets),
+      temperature=g.temperature, seed=g.seed, max_minutes=g.max_minutes or float("inf"),
+      shard_batches=g.shard_batches, log=lambda msg: print(msg, flush=True))
+  print(f"data: {stats}", flush=True)
+  return stats
 
 
 def measure(config) -> dict:
@@ -47,7 +78,8 @@ def measure(config) -> dict:
   target = load_target(target_dir, jnp.float32, progress=False)
   drafter = load_drafter(drafter_dir, jnp.float32, progress=False, target_cfg=target.cfg)
   tokenizer = pipeline.load_tokenizer(target_dir)
-  rows = prompts_lib.humaneval_prompts()[:m.prompts]
+  rows = (prompts_lib.read_jsonl(m.prompts_file) if m.prompts_file
+          else prompts_lib.humaneval_prompts())[:m.prompts]
   ids = prompts_lib.encode(rows, tokenizer, True, target.cfg.vocab_size)
   stops = pipeline.stop_ids(target_dir, tokenizer)
   out, ref = {}, None
@@ -83,6 +115,9 @@ def main(argv):
   config = _CONFIG.value
   if _STAGE.value == "measure":
     measure(config)
+    return
+  if _STAGE.value == "data":
+    generate_data(config)
     return
   pipeline.init_distributed(config)
   trainer = drafter_training.Trainer(config)

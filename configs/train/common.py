@@ -9,8 +9,19 @@ def base_config() -> ml_collections.ConfigDict:
       path="",                      # Qwen3/Llama HF dir, converted checkpoint or embedded:smollm2
       dtype="float32",              # the frozen target's embedding / head / copied layers
   ))
+  config.generate = ml_collections.ConfigDict(dict(
+      prompts=(),                   # JSONL prompt files ({"prompt": text}); --stage=data
+      out="",                       # the data folder it writes (resumes: done prompts skipped)
+      batch_size=16,
+      max_new_tokens=256,
+      prompt_buckets=(160, 384),    # prompts padded to one of these (one compile each); longer skipped
+      temperature=0.0,              # 0: greedy responses
+      seed=0,
+      max_minutes=0.0,              # stop between batches after this long; 0: no budget
+      shard_batches=1,              # batches per shard file
+  ))
   config.data = ml_collections.ConfigDict(dict(
-      folders=(),                   # make_drafter_data outputs; "{process}" -> jax.process_index()
+      folders=(),                   # --stage=data outputs; "{process}" -> jax.process_index()
       eval_seqs=24,                 # held-out generated sequences (by prompt uid)
       split_seed=0,                 # seed of the held-out split (keep it when resuming)
       eval_uids="",                 # JSON {eval_uids: [...]}: a fixed held-out set instead
@@ -63,7 +74,8 @@ def base_config() -> ml_collections.ConfigDict:
   ))
   config.measure = ml_collections.ConfigDict(dict(
       drafter="",                   # DFlash directory to measure (default: export.path)
-      prompts=20,                   # HumanEval 0..n-1
+      prompts=20,                   # the first n prompts of prompts_file
+      prompts_file="",              # JSONL ("": HumanEval)
       new_tokens=128,
       methods="ar,chain,cure:margin,cure:earliest,cure:expected_gain",
       batch=10,

@@ -8,7 +8,7 @@ chips, 16 hosts of 448 GiB) every host writes and loads its own ~5M-token folder
 Per chip: 4 sequences x 32 anchors, f32 drafter (~1.1B parameters with fc) + AdamW state + grads
 ~18 GB, the bf16 target embedding and head ~2.5 GB, activations of a 3072-token context a few GB.
 
-  # on every host, after make_drafter_data wrote /data/dflash/host$WORKER:
+  # on every host, after train_drafter --stage=data wrote /data/dflash/host$WORKER:
   python -m experiments.train_drafter --config=configs/train/qwen3_8b.py
 """
 
