@@ -11,6 +11,12 @@ A data folder: `meta.json` (target, target_layer_ids, feature_layers, hidden, fe
 mode) and `shard_NNNN.npz` with sequences back to back: tokens [N], offsets [S + 1],
 prompt_lens [S], uids [S], stopped [S], features [N, F] (bfloat16 stored as its uint16 bits),
 greedy [N] (the target's argmax after each token: the label source).
+
+Features take ~5.8 KB per token (bf16, SmolLM2's 5 x 576): too large to keep anywhere but the
+data folder. The responses themselves are small: `write_responses` stores the tokens of every
+sequence in one compressed file that can be committed, and `rebuild` recomputes the features and
+labels from it with one teacher-forced pass per batch, several times faster than decoding on CPU
+(the decode step there is bound by attention over the cache).
 """
 
 from __future__ import annotations
@@ -312,3 +318,88 @@ def run(target, tokenizer, rows: list[dict], *, out: str | Path, target_dir: str
     save_shard(out, shard, pending)
   el = time.time() - t0
   return dict(new_tokens=new_tokens, seconds=el, tokens_per_s=new_tokens / max(el, 1e-9))
+
+
+# ----------------------------------------------------------------------------------------------
+# Responses: the small, committable record of a data folder
+# ----------------------------------------------------------------------------------------------
+
+def write_responses(folders: list[str] | str, path: str | Path) -> int:
+  """Writes the tokens of every stored sequence (no features) to one compressed .npz, atomically;
+  returns the number of sequences."""
+  folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
+  meta = read_meta(folders[0])
+  parts = {k: [] for k in ("tokens", "lengths", "prompt_lens", "uids", "stopped")}
+  for folder in folders:
+    for shard in _shard_paths(Path(folder)):
+      with np.load(shard) as z:
+        parts["tokens"].append(z["tokens"])
+        parts["lengths"].append(np.diff(z["offsets"]))
+        for key in ("prompt_lens", "uids", "stopped"):
+          parts[key].append(z[key])
+  if not parts["tokens"]:
+    raise FileNotFoundError(f"no shard_*.npz in {folders}: nothing to record")
+  buf = io.BytesIO()
+  np.savez_compressed(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                      **{k: np.concatenate(v) for k, v in parts.items()})
+  pipeline.write_atomic(path, buf.getvalue())
+  return int(sum(len(u) for u in parts["uids"]))
+
+
+@functools.partial(jax.jit, static_argnames=("feature_layers",))
+def teacher_forced(target, tokens, lengths, *, feature_layers: tuple[int, ...]):
+  """Features [B, T, F] (bf16) and argmax [B, T] of right-padded sequences tokens [B, T]."""
+  b, t = tokens.shape
+  causal = jnp.tril(jnp.ones((t, t), bool))[None] & (jnp.arange(t)[None, None] <
+                                                     lengths[:, None, None])
+  out = target(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), target.init_cache(b, 0), causal,
+               feature_layers)
+  return (out.features.astype(jnp.bfloat16),
+          jnp.argmax(target.logits(out.hidden), -1).astype(jnp.int32))
+
+
+def rebuild(target, responses: str | Path, out: str | Path, *, target_dir: str,
+            batch_size: int = 8, len_bucket: int = 128, log=print) -> int:
+  """Recomputes a data folder from a responses file: features and labels by a teacher-forced
+  pass (the last token's row zeroed, as decoding leaves it). Sequences already in `out` are
+  skipped, so it resumes. Returns the number of sequences written."""
+  with np.load(responses) as z:
+    rec = {k: z[k] for k in z.files}
+  meta = json.loads(rec.pop("meta").tobytes())
+  if meta["hidden"] != target.cfg.hidden_size or max(meta["feature_layers"]) > target.cfg.num_layers:
+    raise ValueError(f"{responses} was written for a target with hidden {meta['hidden']} and "
+                     f"feature layers {meta['feature_layers']}; this target has hidden "
+                     f"{target.cfg.hidden_size} and {target.cfg.num_layers} layers")
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  write_meta(out, {**meta, "target": str(target_dir), "feature_dtype": FEATURE_DTYPE,
+                   "rebuilt_from": str(responses)})
+  done, shard = done_uids(out)
+  starts = np.concatenate([[0], np.cumsum(rec["lengths"])[:-1]])
+  todo = [i for i in np.argsort(rec["lengths"], kind="stable") if int(rec["uids"][i]) not in done]
+  feature_layers = tuple(meta["feature_layers"])
+  t0, written, n_tokens = time.time(), 0, 0
+  for first in range(0, len(todo), batch_size):
+    rows = todo[first:first + batch_size]
+    t = -(-int(rec["lengths"][rows].max()) // len_bucket) * len_bucket
+    tokens = np.zeros((batch_size, t), np.int32)
+    lengths = np.ones((batch_size,), np.int32)
+    for r, i in enumerate(rows):
+      n = int(rec["lengths"][i])
+      tokens[r, :n], lengths[r] = rec["tokens"][starts[i]:starts[i] + n], n
+    feats, greedy = jax.device_get(teacher_forced(target, jnp.asarray(tokens),
+                                                  jnp.asarray(lengths),
+                                                  feature_layers=feature_layers))
+    seqs = []
+    for r, i in enumerate(rows):
+      n = int(lengths[r])
+      f, g = feats[r, :n].copy(), greedy[r, :n].copy()
+      f[-1], g[-1] = 0, 0  # the last token was never fed while decoding
+      seqs.append(dict(uid=int(rec["uids"][i]), ids=tokens[r, :n], features=f, greedy=g,
+                       prompt_len=int(rec["prompt_lens"][i]), stopped=bool(rec["stopped"][i])))
+    save_shard(out, shard, seqs)
+    shard, written = shard + 1, written + len(seqs)
+    n_tokens += int(lengths[:len(rows)].sum())
+    el = time.time() - t0
+    log(f"rebuilt {written}/{len(todo)} sequences, {n_tokens / el:.0f} tok/s, {el / 60:.1f} min")
+  return written

@@ -46,8 +46,20 @@ def _rows(prompts):
 
 def test_responses_and_features_equal_transformers(hf_and_ours, tmp_path):
   hf, ours, path = hf_and_ours
-  _run(ours, path, tmp_path, _rows(PROMPTS))
-  data = drafter_data.load_shards([str(tmp_path)])
+  _run(ours, path, tmp_path / "data", _rows(PROMPTS))
+  _assert_equal_to_transformers(hf, tmp_path / "data")
+  assert json.loads((tmp_path / "data" / "meta.json").read_text())["feature_layers"] == [1, 3]
+  # The committable record (tokens only) rebuilds the same data with a teacher-forced pass.
+  assert drafter_data.write_responses(str(tmp_path / "data"), tmp_path / "rec.npz") == 4
+  assert drafter_data.rebuild(ours, tmp_path / "rec.npz", tmp_path / "again", target_dir=str(path),
+                              batch_size=3, len_bucket=8, log=lambda *_: None) == 4
+  _assert_equal_to_transformers(hf, tmp_path / "again")
+  assert drafter_data.rebuild(ours, tmp_path / "rec.npz", tmp_path / "again",
+                              target_dir=str(path), log=lambda *_: None) == 0  # all done
+
+
+def _assert_equal_to_transformers(hf, folder):
+  data = drafter_data.load_shards([str(folder)])
   assert sorted(data.uids.tolist()) == list(range(len(PROMPTS)))
   for s, e, pl, uid, stopped in zip(data.starts, data.ends, data.prompt_lens, data.uids,
                                     data.stopped):
@@ -64,8 +76,8 @@ def test_responses_and_features_equal_transformers(hf_and_ours, tmp_path):
     feats = data.features[s:e - 1].astype(np.float32)
     np.testing.assert_allclose(feats, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
     np.testing.assert_array_equal(data.greedy[s:e - 1], out.logits[0, :-1].argmax(-1).numpy())
+    assert not data.features[e - 1].astype(np.float32).any() and data.greedy[e - 1] == 0
   assert data.features.dtype == ml_dtypes.bfloat16
-  assert json.loads((tmp_path / "meta.json").read_text())["feature_layers"] == [1, 3]
 
 
 def test_sampled_responses_come_from_the_target(hf_and_ours, tmp_path):
