@@ -256,9 +256,10 @@ def run(target, tokenizer, rows: list[dict], *, out: str | Path, target_dir: str
         target_layer_ids: tuple[int, ...], stops: tuple[int, ...], batch_size: int = 16,
         max_new_tokens: int = 256, prompt_buckets: tuple[int, ...] = (160, 384),
         temperature: float = 0.0, seed: int = 0, max_minutes: float = 60.0,
-        shard_batches: int = 1, log=print) -> dict:
+        shard_batches: int = 1, responses: str | Path | None = None, log=print) -> dict:
   """Generates responses to every prompt row not yet in `out`, shard by shard, until done or
-  `max_minutes` (checked between batches). Returns throughput figures."""
+  `max_minutes` (checked between batches); after each shard, the whole folder's responses go to
+  `responses` (see write_responses) when given. Returns throughput figures."""
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   feature_layers = tuple(int(i) + 1 for i in target_layer_ids)
@@ -309,6 +310,8 @@ def run(target, tokenizer, rows: list[dict], *, out: str | Path, target_dir: str
     if (n + 1) % shard_batches == 0 or n == len(batches) - 1:
       save_shard(out, shard, pending)
       shard, pending = shard + 1, []
+      if responses:
+        write_responses(out, responses)
     el = time.time() - t0
     rate = new_tokens / el
     log(f"batch {n + 1}/{len(batches)} (prompts <= {bucket} tokens): {new_tokens} new tokens, "

@@ -33,10 +33,10 @@ from cure_jax import drafter_training, pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train/smollm2_135m.py",
                                           "ml_collections drafter training config file")
-_STAGE = flags.DEFINE_enum("stage", "train", ["data", "train", "export", "measure"],
-                           "data (the target's responses and features), train (then export "
-                           "when train.steps are done), export the latest checkpoint, or "
-                           "measure a drafter's tau.")
+_STAGE = flags.DEFINE_enum("stage", "train", ["data", "rebuild", "train", "export", "measure"],
+                           "data (the target's responses and features), rebuild (a data folder "
+                           "from a responses file), train (then export when train.steps are "
+                           "done), export the latest checkpoint, or measure a drafter's tau.")
 
 
 def generate_data(config) -> dict:
@@ -60,9 +60,25 @@ def generate_data(config) -> dict:
       stops=pipeline.stop_ids(target_dir, tokenizer), batch_size=g.batch_size,
       max_new_tokens=g.max_new_tokens, prompt_buckets=tuple(g.prompt_buckets),
       temperature=g.temperature, seed=g.seed, max_minutes=g.max_minutes or float("inf"),
-      shard_batches=g.shard_batches, log=lambda msg: print(msg, flush=True))
+      shard_batches=g.shard_batches, responses=g.responses or None,
+      log=lambda msg: print(msg, flush=True))
   print(f"data: {stats}", flush=True)
   return stats
+
+
+def rebuild_data(config) -> int:
+  """Recomputes config.generate.out from the responses file by a teacher-forced pass."""
+  from convert.qwen3 import load_target
+  from cure_jax import drafter_data
+
+  g = config.generate
+  if not g.responses or not g.out:
+    raise app.UsageError("--stage=rebuild needs --config.generate.responses (a responses .npz) "
+                         "and --config.generate.out (the data folder to write)")
+  target_dir = pipeline.resolve_path(config.target.path)
+  target = load_target(target_dir, pipeline.dtype_of(config.target), progress=False)
+  return drafter_data.rebuild(target, g.responses, g.out, target_dir=target_dir,
+                              log=lambda msg: print(msg, flush=True))
 
 
 def measure(config) -> dict:
@@ -118,6 +134,9 @@ def main(argv):
     return
   if _STAGE.value == "data":
     generate_data(config)
+    return
+  if _STAGE.value == "rebuild":
+    rebuild_data(config)
     return
   pipeline.init_distributed(config)
   trainer = drafter_training.Trainer(config)

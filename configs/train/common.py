@@ -12,6 +12,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.generate = ml_collections.ConfigDict(dict(
       prompts=(),                   # JSONL prompt files ({"prompt": text}); --stage=data
       out="",                       # the data folder it writes (resumes: done prompts skipped)
+      responses="",                 # also keep every response's tokens here (small, committable);
+                                    # --stage=rebuild turns it back into a data folder at `out`
       batch_size=16,
       max_new_tokens=256,
       prompt_buckets=(160, 384),    # prompts padded to one of these (one compile each); longer skipped
