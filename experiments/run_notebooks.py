@@ -24,10 +24,11 @@ SMALL = {"qwen3_8b"}  # run in small mode (CURE_JAX_NOTEBOOK_SMALL=1): tiny mode
 
 
 def kernel_env(name: str) -> dict:
-  """The kernel's environment: the caller's without XLA / jax settings (a notebook runs as a user
-  runs it, not with the test suite's compiler flags; small mode sets its own), no progress bars
-  or widget warnings in stored outputs, and small mode where it applies."""
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  """The kernel's environment: the caller's (the test suite's JAX_PLATFORMS=cpu keeps a kernel
+  off libtpu, which admits one process per machine, and its compile-time XLA_FLAGS apply; small
+  mode appends its own), no progress bars or widget warnings in stored outputs, and small mode
+  where it applies."""
+  env = dict(os.environ)
   env.update(TQDM_DISABLE="1", PYTHONWARNINGS="ignore::DeprecationWarning,ignore:IProgress not found")
   if name in SMALL:
     env["CURE_JAX_NOTEBOOK_SMALL"] = "1"

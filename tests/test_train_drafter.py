@@ -32,39 +32,19 @@ DEVICES = 8
 REPO = Path(__file__).resolve().parents[1]
 SPEC = PairSpec(vocab_size=96, hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=12,
                 target_layers=4, target_layer_ids=(1, 3), block_size=4, seed=3)
-SEQS, LENGTH, NEW = 12, 32, 20   # sequences, padded length, greedy tokens after each prompt
-
-
-@jax.jit
-def _forward(target, ids):
-  """Our target over ids [S, T] (causal, empty cache): features and greedy next tokens [S, T]."""
-  s, t = ids.shape
-  mask = jnp.concatenate([jnp.zeros((s, t, 1), bool),
-                          jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (s, t, t))], -1)
-  out = target(ids, jnp.broadcast_to(jnp.arange(t), (s, t)), target.init_cache(s, 1), mask,
-               tuple(i + 1 for i in SPEC.target_layer_ids))
-  return out.features, jnp.argmax(target.logits(out.hidden), -1)
+SEQS, NEW = 12, 20   # sequences, greedy tokens after each prompt (fewer if it stops)
 
 
 def _write_data(target_dir: Path, out: Path) -> None:
-  """One shard of SEQS random prompts with the target's greedy continuations."""
+  """SEQS random prompts with the target's greedy continuations, through the data stage's own
+  generator (drafter_data.run)."""
   target = load_target(target_dir, jnp.float32, progress=False)
   rng = np.random.default_rng(0)
-  plens = rng.integers(4, 9, SEQS)
-  ids = np.zeros((SEQS, LENGTH), np.int32)
-  for r, n in enumerate(plens):
-    ids[r, :n] = rng.integers(0, SPEC.vocab_size - 1, n)
-  for j in range(NEW):  # causal: tokens after a position do not change its argmax
-    greedy = np.asarray(_forward(target, jnp.asarray(ids))[1])
-    ids[np.arange(SEQS), plens + j] = greedy[np.arange(SEQS), plens + j - 1]
-  feats, greedy = map(np.asarray, _forward(target, jnp.asarray(ids)))
-  drafter_data.write_meta(out, dict(
-      target=str(target_dir), target_layer_ids=list(SPEC.target_layer_ids),
-      feature_layers=[i + 1 for i in SPEC.target_layer_ids], hidden=SPEC.hidden_size, feature_dtype=drafter_data.FEATURE_DTYPE, mode="generate"))
-  n = plens + NEW
-  drafter_data.save_shard(out, 0, [
-      dict(uid=r, ids=ids[r, :n[r]], prompt_len=int(plens[r]), stopped=False,
-           features=feats[r, :n[r]], greedy=greedy[r, :n[r]]) for r in range(SEQS)])
+  rows = [dict(uid=r, prompt_ids=rng.integers(0, SPEC.vocab_size - 1, int(n)).tolist())
+          for r, n in enumerate(rng.integers(4, 9, SEQS))]
+  drafter_data.run(target, None, rows, out=out, target_dir=str(target_dir),
+                   target_layer_ids=SPEC.target_layer_ids, stops=(SPEC.vocab_size - 1,),
+                   batch_size=SEQS, max_new_tokens=NEW, prompt_buckets=(8,), log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +139,10 @@ def test_on_fake_cpu_devices():
 
 @pytest.mark.skipif(jax.device_count() < DEVICES, reason="needs 8 devices: runs in the child")
 def test_data_parallel_step_equals_single_device(world):
-  """Batch split over 8 devices vs one: same losses, gradients (AdamW's first moment) and
-  parameters. A low lr keeps Adam's ~lr-sized update of a near-zero gradient, whose sign a
-  different summation order may flip, under the tolerance."""
+  """Batch split over 8 devices vs one: same losses, gradients (AdamW's first moment, tightly)
+  and parameters. Adam moves a parameter whose gradient is near zero by ~lr x warm-up, and
+  another summation order may flip that gradient's sign: with lr 1e-3 over two warm-up steps
+  such a parameter may differ by ~1e-5 (seen: 1.03e-5), hence 5e-5 for the parameters."""
   single = drafter_training.Trainer(make_config(world, "dp1", mesh__data=1, train__lr=1e-3))
   split = drafter_training.Trainer(make_config(world, "dp8", mesh__data=DEVICES,
                                                train__lr=1e-3))
@@ -173,7 +154,7 @@ def test_data_parallel_step_equals_single_device(world):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=0, atol=1e-5)
   leaf = jax.tree.leaves(split.state["params"])[0]
   assert len(leaf.sharding.device_set) == DEVICES and leaf.sharding.is_fully_replicated
-  for tree, atol in ((lambda t: t.state["params"], 1e-5),
+  for tree, atol in ((lambda t: t.state["params"], 5e-5),
                      (lambda t: optax.tree_utils.tree_get(t.state["opt_state"], "mu"), 1e-6)):
     got, want = flat(tree(split)), flat(tree(single))
     assert got.keys() == want.keys()
