@@ -126,12 +126,14 @@ def test_resume_after_interruption_equals_one_go(world, trained):
 
 
 @pytest.mark.skipif(jax.device_count() >= DEVICES, reason="this process already has the devices")
-def test_on_fake_cpu_devices():
+def test_on_fake_cpu_devices(tmp_path):
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
   env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu",
          "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
   child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=",
-                          "-p", "no:cacheprovider", "-k", "data_parallel"],
+                          "-p", "no:cacheprovider", "-k", "data_parallel",
+                          # its own basetemp: a child pytest would otherwise prune this run's
+                          "--basetemp", str(tmp_path / "child"), "-p", "no:xdist"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
   assert "1 passed" in child.stdout, child.stdout[-2000:]
