@@ -6,10 +6,6 @@ must be set before jax starts, so it cannot be set here); the other tests run on
 or directly when jax already sees 8 devices.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,9 +15,9 @@ from flax import nnx
 from cure_jax import repair, sharding
 from cure_jax.generation import Generator
 from cure_jax import random_models
+from tests.fake_devices import run_in_child
 
 DEVICES = 8
-REPO = Path(__file__).resolve().parents[1]
 on_mesh = pytest.mark.skipif(jax.device_count() < DEVICES,
                              reason=f"needs {DEVICES} devices: runs in the child process")
 
@@ -32,16 +28,8 @@ MAX_NEW = 16
 
 @pytest.mark.skipif(jax.device_count() >= DEVICES, reason="this process already has the devices")
 def test_on_fake_cpu_devices(tmp_path):
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-  env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-  child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=",
-                          "-p", "no:cacheprovider", "-k", "not test_on_fake_cpu_devices",
-                          # its own basetemp: a child pytest would otherwise prune this run's
-                          "--basetemp", str(tmp_path / "child"), "-p", "no:xdist"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
-  assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+  out = run_in_child(__file__, "not test_on_fake_cpu_devices", tmp_path, DEVICES)
+  assert " passed" in out and "skipped" not in out, out[-2000:]
 
 
 def _mesh(data, model):

@@ -7,9 +7,6 @@ process whose XLA_FLAGS ask for 8 fake CPU devices.
 """
 
 import json
-import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -27,9 +24,9 @@ from configs.train import tiny
 from convert.qwen3 import load_target
 from cure_jax import drafter_data, drafter_training
 from tests.dflash_reference import PairSpec, build_pair, reference_block_logits
+from tests.fake_devices import run_in_child
 
 DEVICES = 8
-REPO = Path(__file__).resolve().parents[1]
 SPEC = PairSpec(vocab_size=96, hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=12,
                 target_layers=4, target_layer_ids=(1, 3), block_size=4, seed=3)
 SEQS, NEW = 12, 20   # sequences, greedy tokens after each prompt (fewer if it stops)
@@ -127,16 +124,8 @@ def test_resume_after_interruption_equals_one_go(world, trained):
 
 @pytest.mark.skipif(jax.device_count() >= DEVICES, reason="this process already has the devices")
 def test_on_fake_cpu_devices(tmp_path):
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-  env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-  child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=",
-                          "-p", "no:cacheprovider", "-k", "data_parallel",
-                          # its own basetemp: a child pytest would otherwise prune this run's
-                          "--basetemp", str(tmp_path / "child"), "-p", "no:xdist"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
-  assert "1 passed" in child.stdout, child.stdout[-2000:]
+  out = run_in_child(__file__, "data_parallel", tmp_path, DEVICES)
+  assert "1 passed" in out, out[-2000:]
 
 
 @pytest.mark.skipif(jax.device_count() < DEVICES, reason="needs 8 devices: runs in the child")
