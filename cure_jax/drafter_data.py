@@ -45,7 +45,7 @@ _META_KEYS = ("target_layer_ids", "feature_layers", "hidden")
 class Shards:
   """Every sequence of one or more data folders, back to back."""
   tokens: np.ndarray       # [N] int32
-  features: np.ndarray     # [N, F] bfloat16 (float16 for folders written before bf16 shards)
+  features: np.ndarray     # [N, F] bfloat16
   greedy: np.ndarray       # [N] int32: target argmax after token t
   starts: np.ndarray       # [S] int64
   ends: np.ndarray         # [S] int64
@@ -141,11 +141,12 @@ def load_shards(folders: list[str] | str) -> Shards:
       if m.get(key) != meta.get(key):
         raise ValueError(f"{folder} has {key}={m.get(key)} but {folders[0]} has "
                          f"{meta.get(key)}: train on folders written for the same drafter")
-    bf16 = m.get("feature_dtype", "float16") == "bfloat16"
+    if m.get("feature_dtype") != FEATURE_DTYPE:
+      raise ValueError(f"{folder} stores features as {m.get('feature_dtype')}, not "
+                       f"{FEATURE_DTYPE}: regenerate it (--stage=data or --stage=rebuild)")
     for path in _shard_paths(Path(folder)):
       with np.load(path) as z:
-        feats = z["features"]
-        parts["features"].append(feats.view(ml_dtypes.bfloat16) if bf16 else feats)
+        parts["features"].append(z["features"].view(ml_dtypes.bfloat16))
         parts["tokens"].append(z["tokens"])
         parts["greedy"].append(z["greedy"])
         parts["starts"].append(z["offsets"][:-1] + base)
@@ -157,9 +158,7 @@ def load_shards(folders: list[str] | str) -> Shards:
   if not parts["tokens"]:
     raise FileNotFoundError(f"no shard_*.npz in {folders}; generate data first "
                             "(`python -m experiments.train_drafter --stage=data`)")
-  dtypes = {p.dtype for p in parts["features"]}
-  cat = {k: np.concatenate(v) if k != "features" or len(dtypes) == 1 else
-         np.concatenate([x.astype(ml_dtypes.bfloat16) for x in v]) for k, v in parts.items()}
+  cat = {k: np.concatenate(v) for k, v in parts.items()}
   starts = cat.pop("starts")
   return Shards(starts=starts, ends=np.append(starts[1:], len(cat["tokens"])), meta=meta, **cat)
 

@@ -118,8 +118,13 @@ def test_bad_input_is_refused_with_the_fix(hf_and_ours, tmp_path):
     drafter_data.run(ours, _Ids(), _rows(PROMPTS), out=tmp_path / "b", target_dir=str(path),
                      target_layer_ids=(3,), stops=STOPS)
   (tmp_path / "c").mkdir()
-  (tmp_path / "c" / "meta.json").write_text(json.dumps(dict(target_layer_ids=[0])))
+  (tmp_path / "c" / "meta.json").write_text(json.dumps(dict(target_layer_ids=[0],
+                                                            feature_dtype="bfloat16")))
   with pytest.raises(ValueError, match="same drafter"):
     drafter_data.load_shards([str(tmp_path / "a"), str(tmp_path / "c")])
   with pytest.raises(FileNotFoundError, match="no shard"):
     drafter_data.load_shards([str(tmp_path / "c")])
+  meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+  (tmp_path / "a" / "meta.json").write_text(json.dumps({**meta, "feature_dtype": "float16"}))
+  with pytest.raises(ValueError, match="regenerate it"):
+    drafter_data.load_shards([str(tmp_path / "a")])
