@@ -1,8 +1,10 @@
 """Functional KV caches with a static maximum length.
 
 A cache holds keys and values of *committed* tokens only, in slots 0..length-1 of each
-sequence, laid out [L, B, KVH, S, D]: heads before slots, the order attention reads them in
-(with slots before heads, XLA's TPU compiler relaid and copied whole caches every iteration).
+sequence: one [B, KVH, S, D] array per layer, heads before slots, the order attention reads them
+in (with slots before heads, XLA's TPU compiler relaid and copied whole caches every iteration).
+One array per layer, not one stacked [L, ...] array: a layer's slice of a stacked cache is a copy
+when it feeds a kernel (tpu_attention), which XLA made in every layer and iteration.
 New tokens (a prompt, a verification block, a whole candidate tree) are attended to
 beside the cache, never written speculatively; afterwards the caller writes the tokens it keeps
 into their final slots. Writes past `max_len` are dropped, which is how a tree near the end of
@@ -18,20 +20,20 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  k: jax.Array        # [L, B, KVH, S, D]
-  v: jax.Array        # [L, B, KVH, S, D]
+  k: tuple[jax.Array, ...]   # L x [B, KVH, S, D]
+  v: tuple[jax.Array, ...]   # L x [B, KVH, S, D]
   lengths: jax.Array  # [B] int32: committed slots per sequence
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[3]
+    return self.k[0].shape[2]
 
   @classmethod
   def zeros(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
             dtype) -> "KVCache":
-    shape = (num_layers, batch, kv_heads, max_len, head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               lengths=jnp.zeros((batch,), jnp.int32))
+    shape = (batch, kv_heads, max_len, head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))  # noqa: E731
+    return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
 
   def visible(self) -> jax.Array:
     """[B, S] True for committed slots."""
@@ -40,16 +42,12 @@ class KVCache:
   def write(self, k_new, v_new, slots) -> "KVCache":
     """Scatters k_new/v_new [L, B, T, KVH, D] into slots [B, T]; slots >= max_len are dropped."""
     batch = jnp.arange(slots.shape[0])[:, None, None]               # [B, 1, 1]
-    heads = jnp.arange(self.k.shape[2])[None, :, None]              # [1, KVH, 1]
+    heads = jnp.arange(self.k[0].shape[1])[None, :, None]           # [1, KVH, 1]
     at = (batch, heads, slots[:, None, :])                          # a layer's [B, KVH, T]
 
     def put(cache, new):
-      # Layer by layer: one scatter over all layers makes XLA lay the cache out with layers
-      # minor (for the scatter) and copy all of it every iteration into attention's layout.
-      new = new.swapaxes(2, 3).astype(cache.dtype)                  # [L, B, KVH, T, D]
-      for layer in range(cache.shape[0]):
-        cache = cache.at[(layer,) + at].set(new[layer], mode="drop")
-      return cache
+      new = new.swapaxes(2, 3)                                      # [L, B, KVH, T, D]
+      return tuple(c.at[at].set(n.astype(c.dtype), mode="drop") for c, n in zip(cache, new))
 
     return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
 

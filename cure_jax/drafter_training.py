@@ -282,7 +282,7 @@ def train_forward(drafter: DFlash, embed, features, blocks, anchors):
     q = attn.q_norm(attn.q_proj(hn).reshape(b, a, k, cfg.num_heads, cfg.head_dim))
     q = cfg.rope(q, pos)
     kk, vv = attn.kv(hn, pos)
-    out = attend(q, ck[i], cv[i], kk, vv, ctx_mask, block_mask)         # [B, A, K, NH, D]
+    out = attend(q, ck[i], cv[i], kk, vv, ctx_mask, block_mask, kernel=False)  # differentiated
     x = x + attn.o_proj(out.reshape(b, a, k, -1))
     x = x + layer.mlp(layer.post_attention_layernorm(x))
   return drafter.norm(x)

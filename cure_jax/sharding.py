@@ -3,7 +3,7 @@
 The mesh has two axes. `model` splits every big matrix Megatron-style: q/k/v and gate/up kernels
 on their output (head / intermediate) axis, o_proj and down_proj on their input axis, the
 embedding [V, H] and lm_head [H, V] on the vocabulary; norms and the DFlash `fc` are replicated.
-`data` splits the batch: KV caches [L, B, KVH, S, D] are sharded (None, data, model, None, None)
+`data` splits the batch: each layer's KV cache [B, KVH, S, D] is sharded (data, model, None, None)
 and every per-sequence array of the decoding state on its leading batch axis. Parameters are
 replicated over `data`.
 
@@ -12,7 +12,9 @@ sharded parameters and are compiled with the state's shardings as outputs, and X
 propagation inserts the collectives (an all-reduce after o_proj and after down_proj, a
 cross-shard argmax / softmax over the vocabulary-parallel logits, small gathers of the new
 tokens' keys and values for the batch-indexed cache writes). No collective has to be written by
-hand, so there is no shard_map, and no pmap.
+hand, and there is no pmap. The one shard_map is TPU attention's (models/tpu_attention.py): a
+Pallas kernel is opaque to sharding propagation, so it runs per (data, model) shard of the mesh
+that lower_decoding sets, where the caches already are.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ RULES: tuple[tuple[str, tuple, str | None], ...] = (
     (r"(^|/)fc/kernel$", (None, None), None),        # DFlash feature projection: replicated
     (r"(^|/)[a-z_]*norm/weight$", (None,), None),   # every RMSNorm (incl. q_norm, k_norm)
 )
-CACHE_SPEC = P(None, DATA, MODEL, None, None)      # KV caches [L, B, KVH, S, D]
+CACHE_SPEC = P(DATA, MODEL, None, None)      # each layer's KV cache [B, KVH, S, D]
 
 
 def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -171,7 +173,7 @@ def decoding_state_shardings(state, mesh: Mesh):
   def spec(path, x):
     if x.ndim == 0:
       return NamedSharding(mesh, P())
-    if x.ndim == 5 and getattr(path[-1], "name", None) in ("k", "v"):
+    if x.ndim == 4 and len(path) > 1 and getattr(path[-2], "name", None) in ("k", "v"):  # k[i]
       return NamedSharding(mesh, CACHE_SPEC)
     return NamedSharding(mesh, P(DATA, *(None,) * (x.ndim - 1)))
   return jax.tree_util.tree_map_with_path(spec, state)
@@ -220,12 +222,13 @@ def lower_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
   def decode(p, st):
     return decoding.decode(graphdef, p, st, spec=spec)
 
-  shapes = jax.eval_shape(prefill, params, prompt, plen, key_data)
-  out = decoding_state_shardings(shapes, mesh)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                       out)
-  pre = jax.jit(prefill, out_shardings=out).lower(params, prompt, plen, key_data)
-  dec = jax.jit(decode, out_shardings=out, donate_argnums=1).lower(params, state)
+  with jax.set_mesh(mesh):   # the TPU attention kernel runs per shard of this mesh
+    shapes = jax.eval_shape(prefill, params, prompt, plen, key_data)
+    out = decoding_state_shardings(shapes, mesh)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         shapes, out)
+    pre = jax.jit(prefill, out_shardings=out).lower(params, prompt, plen, key_data)
+    dec = jax.jit(decode, out_shardings=out, donate_argnums=1).lower(params, state)
   return pre, dec
 
 

@@ -160,9 +160,9 @@ def abstract_cache(model, batch: int, max_len: int, mesh):
   """The model's KV cache as ShapeDtypeStructs with the decode loop's shardings."""
   cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
   kv = NamedSharding(mesh, sharding.CACHE_SPEC)
+  put = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv)  # noqa: E731
   return cache.replace(
-      k=jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=kv),
-      v=jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype, sharding=kv),
+      k=tuple(map(put, cache.k)), v=tuple(map(put, cache.v)),
       lengths=jax.ShapeDtypeStruct((batch,), jnp.int32,
                                    sharding=NamedSharding(mesh, P(sharding.DATA))))
 
@@ -182,7 +182,8 @@ def forward_program(graphdef, params, batch: int, max_len: int, mesh):
     out = model(tokens, lengths[:, None], cache, mask)
     return jnp.argmax(model.logits(out.hidden), axis=-1)
 
-  return jax.jit(forward).lower(params, tokens, cache.k, cache.v, cache.lengths)
+  with jax.set_mesh(mesh):   # as sharding.lower_decoding: the attention kernel runs per shard
+    return jax.jit(forward).lower(params, tokens, cache.k, cache.v, cache.lengths)
 
 
 def lower_case(case: Case, graphdef, params, config, mesh, drafter):
@@ -280,13 +281,14 @@ def markdown(meta: dict, records: list[dict]) -> str:
     rows.append([r["case"], r["compile_s"], _gb(r["argument_bytes"]), _gb(r["temp_bytes"]),
                  _gb(r["output_bytes"]), str(r.get("donated_state_aliased", "")),
                  ", ".join(f"{k} {v}" for k, v in it["collectives"].items()) or "0",
-                 it["fusions"], f"{r['xla_flops'] / 1e9:.1f}", _gb(r["xla_bytes_accessed"]),
+                 it["fusions"], it.get("kernels", 0), f"{r['xla_flops'] / 1e9:.1f}",
+                 _gb(r["xla_bytes_accessed"]),
                  _gb(it["hbm_bytes"]), _gb(weights), _gb(it["on_chip_bytes_skipped"]),
                  f"{b['hbm_over_weights_and_kv']:.3f}",
                  f"{b['hbm_over_chain_minimum']:.3f}" if "hbm_over_chain_minimum" in b else ""])
   lines.append(report.md_table(
       ["program", "compile s", "args GB", "temp GB", "out GB", "state aliased", "collectives",
-       "fusions", "XLA GFLOP", "XLA GB", "HBM GB", "of which weights", "on-chip GB skipped",
+       "fusions", "kernels", "XLA GFLOP", "XLA GB", "HBM GB", "of which weights", "on-chip GB skipped",
        "HBM / (W + KV)", "HBM / chain min"], rows))
   lines += ["", "Per iteration of the decode loop (one pass of prefill / forward). XLA's figures "
             "are its cost analysis of the whole module; HBM GB counts the HBM side of each "

@@ -207,6 +207,7 @@ class Traffic:
   hbm: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   on_chip: float = 0.0
   fusions: int = 0
+  kernels: int = 0                  # Pallas / Mosaic TPU kernels (tpu_custom_call)
   collectives: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   unknown_trips: int = 0
   ops: list = dataclasses.field(default_factory=list)    # (HBM bytes, name, opcode, op_name)
@@ -218,6 +219,7 @@ class Traffic:
       self.collectives[k] += v * times
     self.on_chip += other.on_chip * times
     self.fusions += other.fusions * times
+    self.kernels += other.kernels * times
     self.unknown_trips += other.unknown_trips
     if times > 0:
       self.ops.extend(other.ops)
@@ -234,6 +236,7 @@ class Traffic:
       by_op[op_name.rsplit("/", 1)[-1] or opcode] += b
     return dict(hbm_bytes=self.total, by_label={k: float(v) for k, v in sorted(self.hbm.items())},
                 on_chip_bytes_skipped=self.on_chip, fusions=self.fusions,
+                kernels=self.kernels,
                 collectives=dict(sorted(self.collectives.items())),
                 nested_loops_without_trip_count=self.unknown_trips,
                 by_op={k: float(v) for k, v in by_op.most_common(top)},
@@ -369,6 +372,8 @@ class _Counter:
       kind = op[:-len("-start")] if op.endswith("-start") else op
       if kind in COLLECTIVES:
         t.collectives[kind] += 1
+      if op == "custom-call" and 'custom_call_target="tpu_custom_call"' in ins.attrs:
+        t.kernels += 1
       if op == "fusion":
         t.fusions += 1
         moved = self._fusion_bytes(ins, comp, labels)

@@ -5,7 +5,9 @@ v5e 2x2 with tensor parallelism 4 by `experiments.aot` in a child process: libtp
 file, so one process holds it alone, and the rest of the suite stays on CPU (conftest sets
 JAX_PLATFORMS=cpu). Fails when one ar iteration reads more than 1.2x the per-chip weights from
 HBM, or when the collectives per layer change (tensor parallelism needs two all-reduces per
-layer, after o_proj and down_proj, plus a few for the vocabulary-parallel head).
+layer, after o_proj and down_proj, plus a few for the vocabulary-parallel head), or when a
+layer's attention stops being one TPU kernel (tpu_attention: without it, v5p wrote every
+layer's attention scores to HBM and read them back twice).
 """
 
 import fcntl
@@ -23,7 +25,11 @@ from cure_jax import random_models
 REPO = Path(__file__).resolve().parents[1]
 LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "cure_jax_libtpu.lock"
 # ~290 MB of bf16 weights per chip over 4 chips, more than v5e's 128 MiB of on-chip memory, and
-# a 4096-slot cache of ~50 MB per chip: one relayout copy of it per iteration breaks the bound.
+# a 2048-slot cache of ~25 MB per chip: one relayout copy of it per iteration breaks the bound.
+# (At this size XLA stages each layer's cache in on-chip memory beside the attention kernel and
+# writes it back, 2x the cache an iteration; at 4096 slots that alone reached 1.21x the weights.
+# For Qwen3-8B it reads the cache once: WORKSPACE.md, session 7.)
+MAX_LEN = 2048
 ARCH = random_models.Arch(vocab=32768, hidden=2048, layers=12, heads=16, kv_heads=8,
                           head_dim=128, draft_layers=2, block_size=8, target_layer_ids=(1, 10))
 HEAD_COLLECTIVES = 3     # all-reduces of the vocabulary-parallel head / argmax / embedding
@@ -52,7 +58,7 @@ def compiled(tmp_path_factory):
   cmd = [sys.executable, "-m", "experiments.aot", "--config=configs/qwen3_8b.py",
          "--topology=v5e:2x2", "--config.mesh.model=4", f"--target={root / 'target'}",
          f"--drafter={root / 'drafter'}", "--methods=ar,chain", "--batch=1",
-         "--programs=decode", "--max_len=4096", "--prompt_len=64", f"--output={root / 'out'}"]
+         "--programs=decode", f"--max_len={MAX_LEN}", "--prompt_len=64", f"--output={root / 'out'}"]
   with open(LOCK, "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)   # one libtpu process at a time on this machine
     child = subprocess.run(cmd, cwd=REPO, env=_child_env(), capture_output=True, text=True,
@@ -80,3 +86,9 @@ def test_collectives_per_layer(compiled):
   assert chain["all-reduce"] == 2 * (ARCH.layers + ARCH.draft_layers) + HEAD_COLLECTIVES
   assert chain.get("all-gather", 0) <= 6        # cache commits; none per layer
   assert set(chain) <= {"all-reduce", "all-gather"}
+
+
+def test_attention_is_one_kernel_per_layer(compiled):
+  assert compiled["decode/ar/b1"]["iteration"]["kernels"] == ARCH.layers
+  chain = compiled["decode/chain/b1"]["iteration"]["kernels"]
+  assert chain == ARCH.layers + ARCH.draft_layers          # verification + one drafter pass

@@ -230,9 +230,10 @@ class TreeInvariants(chex.TestCase):
     verdict = verify.greedy(t, argmax, k)
     count = verdict.accepted + 1                                            # root + accepted
     lengths = jnp.asarray(rng.integers(max_len - 2 * k, max_len, BATCH), jnp.int32)  # near end
-    cache_shape = (layers, BATCH, kvh, max_len, hd)                         # heads-major
-    old = KVCache(k=jnp.asarray(rng.normal(size=cache_shape), jnp.float32),
-                  v=jnp.asarray(rng.normal(size=cache_shape), jnp.float32), lengths=lengths)
+    cache_shape = (BATCH, kvh, max_len, hd)                                 # heads-major
+    per_layer = lambda: tuple(jnp.asarray(rng.normal(size=cache_shape), jnp.float32)  # noqa: E731
+                              for _ in range(layers))
+    old = KVCache(k=per_layer(), v=per_layer(), lengths=lengths)
     shape = (layers, BATCH, t.size, kvh, hd)                                # the tree's K/V
     k_new, v_new = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
 
@@ -253,7 +254,8 @@ class TreeInvariants(chex.TestCase):
           want_k[:, b, :, lengths[b] + i] = np.asarray(k_new)[:, b, path[b, i]]
           want_v[:, b, :, lengths[b] + i] = np.asarray(v_new)[:, b, path[b, i]]
     chex.assert_trees_all_equal(
-        new, KVCache(k=want_k, v=want_v, lengths=np.minimum(lengths + count, max_len)))
+        new, KVCache(k=tuple(want_k), v=tuple(want_v),
+                     lengths=np.minimum(lengths + count, max_len)))
 
 
 # ----------------------------------------------------------------------------- trace counts

@@ -78,6 +78,23 @@ def test_prefetched_weights_count_their_hbm_read_once_and_on_chip_reads_apart():
   assert out["on_chip_bytes_skipped"] == w_bytes
 
 
+KERNEL_HLO = """HloModule k, entry_computation_layout={(bf16[2,4096,128]{2,1,0})->bf16[2,16,128]{2,1,0}}
+
+ENTRY %main (k: bf16[2,4096,128], q: bf16[2,16,128]) -> bf16[2,16,128] {
+  %k = bf16[2,4096,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %q = bf16[2,16,128]{2,1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %a = bf16[2,16,128]{2,1,0:T(8,128)(2,1)} custom-call(%q, %k), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_a_tpu_kernel_counts_its_operands_and_result():
+  out = hlo_traffic.count(KERNEL_HLO, {0: "kv", 1: "q"})["program"]
+  assert out["kernels"] == 1 and out["fusions"] == 0
+  assert out["by_label"] == {"kv": 2 * 4096 * 128 * 2, "q": 2 * 16 * 128 * 2,
+                             "activation": 2 * 16 * 128 * 2}
+
+
 def test_bad_text_is_rejected():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo_traffic.count("HloModule m\n")

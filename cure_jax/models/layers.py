@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cure_jax.models import tpu_attention
+
 
 class RMSNorm(nnx.Module):
   """RMSNorm with the HF parameter name `weight`: normalise in float32, cast, then scale."""
@@ -101,13 +103,27 @@ def rope_from_hf(config: dict, head_dim: int) -> Rope:
   )
 
 
-def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
+def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = True):
   """Grouped-query attention over [old slots ; new tokens] without concatenating the caches.
 
   q: [B, A, T, H, D] queries (A = independent blocks that share the same old context);
   k_old/v_old: [B, KVH, S, D] cached keys/values (the cache's layout); k_new/v_new: [B, A, U, KVH, D];
   mask_old: [B, A, T, S], mask_new: [B, A, T, U] booleans (True = visible).
   Returns [B, A, T, H, D].
+
+  On TPU this is tpu_attention's Pallas kernel, which keeps the scores on chip; elsewhere it is
+  xla_attend, and so it is with kernel=False (the kernel has no gradient: training passes False)
+  and for caches the kernel does not tile (an empty one, as in prefill, or S not a multiple of
+  128 slots).
+  """
+  args = (q, k_old, v_old, k_new, v_new, mask_old, mask_new)
+  if not kernel or not tpu_attention.tiles(k_old.shape[2]):
+    return xla_attend(*args)
+  return jax.lax.platform_dependent(*args, tpu=tpu_attention.attend, default=xla_attend)
+
+
+def xla_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
+  """attend as XLA tensors.
 
   The softmax is normalised after the value products (as flash attention does): the two parts'
   exponentials feed their own products directly, so no [.., S + U] probability tensor is built.

@@ -1,0 +1,141 @@
+"""Attention over [cache ; new tokens] as one TPU kernel: the scores never leave the chip.
+
+`layers.attend` builds the scores as XLA tensors. XLA's TPU compiler keeps them in on-chip memory
+on v5e, but on v5p (and on v6e at batch 8) it writes each layer's f32 scores to HBM beside their
+row maximum and reads them back for the sum and the value product: three times the scores' size
+per layer, 0.9 GB an iteration for CURE's verification at batch 1 (WORKSPACE.md, session 6).
+This Pallas kernel streams the cache through VMEM in blocks of keys with an online softmax (as
+flash attention does), so HBM sees the queries, the cache, the masks and the output only.
+
+Layout: the A independent blocks' rows share a kernel instance (rows = A x T), so the cache is
+read once for all of them; their new tokens are laid side by side with a block-diagonal mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+from cure_jax.sharding import DATA, MODEL
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+_LANES = 128
+_SUBLANES = 8
+
+
+def tiles(s: int) -> bool:
+  """Whether the kernel takes a cache of S slots: whole blocks of 128 (lanes), at least one."""
+  return s > 0 and s % _LANES == 0
+
+
+def key_block(s: int) -> int:
+  """Cache slots per grid step: the largest of 512/256/128 dividing S."""
+  return next(c for c in (512, 256, 128) if s % c == 0)
+
+
+def _kernel(q_ref, k_ref, v_ref, mo_ref, kn_ref, vn_ref, mn_ref, o_ref, m_sc, l_sc, acc_sc, *,
+            scale: float, groups: int):
+  """One (batch row, KV head) pair, one block of cache slots; the new tokens at the last block."""
+  j = pl.program_id(2)
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, _NEG, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  def update(k, v, visible):                  # k, v [N, D]; visible [R, N]
+    for g in range(groups):
+      s = jax.lax.dot_general(q_ref[g], k, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32) * scale      # [R, N]
+      s = jnp.where(visible, s, _NEG)
+      m_prev = m_sc[g]                                                          # [R, 1]
+      m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+      p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+      alpha = jnp.exp(m_prev - m_new)
+      l_sc[g] = alpha * l_sc[g] + p.sum(axis=-1, keepdims=True)
+      acc_sc[g] = alpha * acc_sc[g] + jax.lax.dot_general(
+          p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      m_sc[g] = m_new
+
+  update(k_ref[...], v_ref[...], mo_ref[...] != 0)
+
+  @pl.when(j == pl.num_programs(2) - 1)
+  def _finish():
+    update(kn_ref[...], vn_ref[...], mn_ref[...] != 0)
+    for g in range(groups):
+      l = l_sc[g]
+      o_ref[g] = (acc_sc[g] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def kernel_call(q, k_old, v_old, mask_old, k_new, v_new, mask_new, *, interpret: bool = False):
+  """q [B, KVH, G, R, D]; k_old/v_old [B, KVH, S, D]; mask_old [B, R, S] int8;
+  k_new/v_new [B, KVH, N, D]; mask_new [B, R, N] int8. Returns [B, KVH, G, R, D] in q's dtype.
+  """
+  b, kvh, g, r, d = q.shape
+  s, n = k_old.shape[2], k_new.shape[2]
+  sb = key_block(s)
+  sq = pl.squeezed
+  return pl.pallas_call(
+      functools.partial(_kernel, scale=1.0 / math.sqrt(d), groups=g),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(b, kvh, s // sb),
+      in_specs=[
+          pl.BlockSpec((sq, sq, g, r, d), lambda i, h, j: (i, h, 0, 0, 0)),
+          pl.BlockSpec((sq, sq, sb, d), lambda i, h, j: (i, h, j, 0)),
+          pl.BlockSpec((sq, sq, sb, d), lambda i, h, j: (i, h, j, 0)),
+          pl.BlockSpec((sq, r, sb), lambda i, h, j: (i, 0, j)),
+          pl.BlockSpec((sq, sq, n, d), lambda i, h, j: (i, h, 0, 0)),
+          pl.BlockSpec((sq, sq, n, d), lambda i, h, j: (i, h, 0, 0)),
+          pl.BlockSpec((sq, r, n), lambda i, h, j: (i, 0, 0)),
+      ],
+      out_specs=pl.BlockSpec((sq, sq, g, r, d), lambda i, h, j: (i, h, 0, 0, 0)),
+      scratch_shapes=[pltpu.VMEM((g, r, 1), jnp.float32), pltpu.VMEM((g, r, 1), jnp.float32),
+                      pltpu.VMEM((g, r, d), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      # what XLA's cost analysis (and experiments.aot's projection) counts for the kernel
+      cost_estimate=pl.CostEstimate(
+          flops=4 * b * kvh * g * r * (s + n) * d, transcendentals=b * kvh * g * r * (s + n),
+          bytes_accessed=sum(x.size * x.dtype.itemsize
+                             for x in (q, q, k_old, v_old, mask_old, k_new, v_new, mask_new))),
+      interpret=interpret,
+  )(q, k_old, v_old, mask_old, k_new, v_new, mask_new)
+
+
+def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool = False):
+  """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel.
+
+  Under a mesh (`jax.set_mesh`) the kernel runs per shard: batch rows over `data`, KV heads over
+  `model`, as the caches are laid out (sharding.CACHE_SPEC), so no collective is added.
+  """
+  b, a, t, h, d = q.shape
+  kvh = k_old.shape[1]
+  u = k_new.shape[2]
+  qk = q.reshape(b, a, t, kvh, h // kvh, d).transpose(0, 3, 4, 1, 2, 5)     # [B, KVH, G, A, T, D]
+  qk = qk.reshape(b, kvh, h // kvh, a * t, d)
+  pad = -(a * u) % _SUBLANES        # whole sublanes of new tokens (Mosaic cannot broadcast 1)
+  kn, vn = (jnp.pad(x.transpose(0, 3, 1, 2, 4).reshape(b, kvh, a * u, d), ((0, 0),) * 2 +
+                    ((0, pad), (0, 0))) for x in (k_new, v_new))         # [B, KVH, N, D]
+  s = k_old.shape[2]
+  mask_old = jnp.broadcast_to(mask_old, (b, a, t, s))    # callers may share one mask over A
+  mask_new = jnp.broadcast_to(mask_new, (b, a, t, u))
+  mo = mask_old.reshape(b, a * t, s).astype(jnp.int8)                      # [B, A*T, S]
+  own = jnp.eye(a, dtype=bool)[None, :, None, :, None]                     # [1, A, 1, A, 1]
+  mn = (mask_new[:, :, :, None, :] & own).reshape(b, a * t, a * u)
+  mn = jnp.pad(mn, ((0, 0), (0, 0), (0, pad))).astype(jnp.int8)            # [B, A*T, N]
+  call = functools.partial(kernel_call, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    heads, rows = P(DATA, MODEL), P(DATA)
+    call = jax.shard_map(call, mesh=mesh, in_specs=(heads, heads, heads, rows, heads, heads, rows),
+                         out_specs=heads, check_vma=False)
+  out = call(qk, k_old, v_old, mo, kn, vn, mn)                              # [B, KVH, G, A*T, D]
+  out = out.reshape(b, kvh, h // kvh, a, t, d).transpose(0, 3, 4, 1, 2, 5)
+  return out.reshape(b, a, t, h, d)
