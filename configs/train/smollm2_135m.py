@@ -26,7 +26,7 @@ def get_config():
   config.model.block_size = 16
   config.model.mask_token_id = 15          # <jupyter_script>: never emitted
   config.model.target_layer_ids = (1, 8, 15, 22, 27)
-  config.train.steps = 3000                # ~80 min at 1.3-1.8 s/step on 2 CPU cores; resumes.
+  config.train.steps = 3000                # ~105 min on 2 CPU cores (2.1 s/step with evals); resumes
   # The shipped drafter overfit its 60k answer tokens (~2 anchor blocks per token) after ~750 of
   # 1,300 steps; 3,000 steps of 4 x 24 blocks over 10x the data anchor ~0.5 blocks per token.
   config.train.seqs_per_step = 4
