@@ -303,8 +303,8 @@ def read_state(family: Family, path: str | os.PathLike, dtype, progress: bool, p
                check: Callable[[dict], None] | None = None):
   """(config dict, graphdef, state) of an HF directory or a converted checkpoint at `path`.
 
-  `check(config)` runs before any weight is read; `placement` (cure_jax.sharding.placement(mesh))
-  puts each tensor straight onto its devices.
+  `check(config)` runs before any weight is read; `placement`
+  (cure_jax.runtime.sharding.placement(mesh)) puts each tensor straight onto its devices.
   """
   path = Path(path)
   if not path.exists():

@@ -41,7 +41,8 @@ def load_drafter(path: str | os.PathLike, dtype=jnp.bfloat16, progress: bool = T
   """The drafter from an HF directory (converted while loading) or a converted checkpoint, with
   parameters in `dtype`. Given the target's ModelConfig, a drafter that cannot sit on that
   target is rejected (ValueError) before any weight is read or anything compiles. With a
-  `placement` (cure_jax.sharding.placement(mesh)) each tensor is loaded straight onto its shards."""
+  `placement` (cure_jax.runtime.sharding.placement(mesh)) each tensor is loaded straight onto
+  its shards."""
   check = None
   if target_cfg is not None:
     def check(config):

@@ -40,7 +40,7 @@ def load_target(path: str | os.PathLike, dtype=jnp.bfloat16, progress: bool = Tr
                 placement=None) -> Qwen3:
   """The target model from an HF directory (converted while loading) or a converted checkpoint
   (recognised by its cure_jax.json), with parameters in `dtype`; with a `placement`
-  (cure_jax.sharding.placement(mesh)) each tensor is loaded straight onto its shards."""
+  (cure_jax.runtime.sharding.placement(mesh)) each tensor is loaded straight onto its shards."""
   return checkpoint.load(FAMILY, path, dtype, progress, placement)
 
 

@@ -5,7 +5,7 @@ With libtpu installed (`pip install "jax[tpu]==<jax version>"`, no TPU needed),
 the program for them on this CPU host. Target and drafter are built abstractly
 (`nnx.eval_shape`) from their config.json, so nothing is allocated and no checkpoint is read.
 For each method (ar, chain, cure at each v_max) and batch this compiles prefill and the decode
-loop exactly as `experiments.decode` would (`sharding.lower_decoding`), plus a 1-token target
+loop exactly as `experiments.decode` would (`decoding.lower_sharded`), plus a 1-token target
 forward, and records compile seconds, per-chip memory, collectives, fusions, XLA's cost
 analysis and an independent count of the HBM traffic of one loop iteration
 (`experiments.hlo_traffic`), weights apart.
@@ -35,9 +35,9 @@ from ml_collections import config_flags
 
 from convert import dflash as convert_dflash, qwen3 as convert_qwen3
 from convert.checkpoint import read_hf_config
-from cure_jax import pipeline, sharding
-from cure_jax.cache import KVCache
-from cure_jax.generation import decoding_spec
+from cure_jax.runtime import decoding, pipeline, sharding
+from cure_jax.models.cache import KVCache
+from cure_jax.runtime.generation import decoding_spec
 from experiments import hlo_traffic, report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_8b.py",
@@ -182,7 +182,7 @@ def forward_program(graphdef, params, batch: int, max_len: int, mesh):
     out = model(tokens, lengths[:, None], cache, mask)
     return jnp.argmax(model.logits(out.hidden), axis=-1)
 
-  with jax.set_mesh(mesh):   # as sharding.lower_decoding: the attention kernel runs per shard
+  with jax.set_mesh(mesh):   # as decoding.lower_sharded: the attention kernel runs per shard
     return jax.jit(forward).lower(params, tokens, cache.k, cache.v, cache.lengths)
 
 
@@ -197,7 +197,7 @@ def lower_case(case: Case, graphdef, params, config, mesh, drafter):
     cure.validate(k)
   new_tokens = _MAX_LEN.value - _PROMPT.value
   spec = decoding_spec(case.method, drafter, new_tokens, _MAX_LEN.value, (), k, cure)
-  pre, dec = sharding.lower_decoding(graphdef, params, spec, case.batch, _PROMPT.value, mesh)
+  pre, dec = decoding.lower_sharded(graphdef, params, spec, case.batch, _PROMPT.value, mesh)
   return pre if case.program == "prefill" else dec
 
 

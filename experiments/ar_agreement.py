@@ -19,8 +19,9 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from cure_jax import pipeline, prompts as prompts_lib
-from experiments import report, tables
+from cure_jax.runtime import pipeline, prompts as prompts_lib
+from experiments import report
+from experiments.bench import common_prefix
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file (target, prompts)")
@@ -65,7 +66,7 @@ def compare(ours: list[list[int]], ref: dict) -> dict:
   for i, (a, b) in enumerate(zip(ours, ref["outputs"])):
     if a == b:
       continue
-    d = tables.common_prefix(a, b)
+    d = common_prefix(a, b)
     gaps = ref["gaps"][i]
     rows.append(dict(prompt=i, position=d, ours=a[d] if d < len(a) else None,
                      reference=b[d] if d < len(b) else None,

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from cure_jax import pipeline
-from cure_jax.generation import Generator
+from cure_jax.runtime import pipeline
+from cure_jax.runtime.generation import Generator
 
 _TARGET = flags.DEFINE_string("target", "random", "'random', 'embedded:smollm2' or an HF directory")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens per prompt")

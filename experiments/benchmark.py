@@ -24,8 +24,9 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from cure_jax import pipeline, prompts as prompts_lib
-from experiments import tables
+from cure_jax.runtime import pipeline, prompts as prompts_lib
+from experiments import table4, table_sweep, tables
+from experiments.bench import Bench
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file")
@@ -41,12 +42,12 @@ _AR_DRAFTER = flags.DEFINE_string("ar_drafter", "embedded:smollm2_ar_drafter",
                                   "'' to skip")
 _SCORER_TAU = flags.DEFINE_float("scorer_tau", None, "table 5: gate threshold of the cure run "
                                  "(default config.cure.tau_margin)")
-_SWEEP_FACTORS = flags.DEFINE_multi_enum("sweep_factors", None, list(tables.SWEEP_GRID),
+_SWEEP_FACTORS = flags.DEFINE_multi_enum("sweep_factors", None, list(table_sweep.SWEEP_GRID),
                                          "sweep: the factors to vary (default: all)")
-_TABLE4_PROBLEMS = flags.DEFINE_integer("table4_problems", tables.TABLE4_PROBLEMS,
+_TABLE4_PROBLEMS = flags.DEFINE_integer("table4_problems", table4.TABLE4_PROBLEMS,
                                         "table 4: the first N problems")
 _TABLE4_ABLATIONS = flags.DEFINE_multi_enum(
-    "table4_ablations", None, [v.label for v in tables.TABLE4_VARIANTS[1:]],
+    "table4_ablations", None, [v.label for v in table4.TABLE4_VARIANTS[1:]],
     "table 4: the ablations to run (default: all)")
 _TREES_BUDGETS = flags.DEFINE_multi_integer("trees_budgets", [16, 32, 64],
                                            "trees: node budgets v_max to compare")
@@ -77,7 +78,7 @@ def _ar_drafter(config, target):
 
 def main(argv):
   del argv
-  bad = [n for n in _TABLE.value.split(",") if n.strip() not in tables.TABLES + ("all",)]
+  bad = [n for n in _TABLE.value.split(",") if n.strip() not in (*tables.TABLES, "all")]
   if bad:
     raise app.UsageError(f"--table={_TABLE.value!r}: unknown {bad}; choose from "
                          f"{', '.join(tables.TABLES)} (comma-separated) or all")
@@ -102,11 +103,11 @@ def main(argv):
   target_dir = config.target.path if Path(config.target.path, "config.json").is_file() else None
   drafter_dir = (config.drafter.path if Path(config.drafter.path, "config.json").is_file()
                  else None)
-  bench = tables.Bench(config=config, target=target, drafter=drafter, rows=rows, ids=ids,
-                       tokenizer=tokenizer, stops=pipeline.stop_ids(config.target.path, tokenizer),
-                       results_dir=_RESULTS.value, ar_drafter=ar_drafter, ar_drafter_note=note,
-                       target_dir=target_dir, drafter_dir=drafter_dir, warmup=_WARMUP.value,
-                       progress=_PROGRESS.value, reuse_raw=_REUSE_RAW.value)
+  bench = Bench(config=config, target=target, drafter=drafter, rows=rows, ids=ids,
+                tokenizer=tokenizer, stops=pipeline.stop_ids(config.target.path, tokenizer),
+                results_dir=_RESULTS.value, ar_drafter=ar_drafter, ar_drafter_note=note,
+                target_dir=target_dir, drafter_dir=drafter_dir, warmup=_WARMUP.value,
+                progress=_PROGRESS.value, reuse_raw=_REUSE_RAW.value)
   tables.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value,
                     sweep_factors=_SWEEP_FACTORS.value, table4_problems=_TABLE4_PROBLEMS.value,
                     table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value)

@@ -155,8 +155,8 @@ def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, fl
   """ms of each phase of one decoding iteration at a real run's shapes (batch 1, the state right
   after prefill): draft + tree build, target verification, commit + resync. Each phase is jitted
   alone here, so the sum exceeds the fused loop's iteration time by the dispatch overheads."""
-  from cure_jax import decoding
-  from cure_jax.replay import prefill_state
+  from cure_jax.runtime import decoding
+  from cure_jax.analysis.replay import prefill_state
 
   spec, state = prefill_state(generator, prompt)
   graphdef, params = generator.graphdef, generator.params

@@ -9,7 +9,7 @@ import jax
 from absl import app
 from ml_collections import config_flags
 
-from cure_jax import pipeline, prompts as prompts_lib
+from cure_jax.runtime import pipeline, prompts as prompts_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file")

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from cure_jax import pipeline, repair
-from cure_jax.generation import Generator
+from cure_jax.runtime import pipeline
+from cure_jax.tree import repair
+from cure_jax.runtime.generation import Generator
 from cure_jax.models.dflash import DFlash, DFlashConfig
 from cure_jax.models.layers import Rope
 from cure_jax.models.qwen3 import ModelConfig, Qwen3

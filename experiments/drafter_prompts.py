@@ -22,7 +22,7 @@ import warnings
 
 from absl import app, flags
 
-from cure_jax import pipeline, prompts as prompts_lib
+from cure_jax.runtime import pipeline, prompts as prompts_lib
 
 EVAL_HUMANEVAL = 64  # HumanEval problems 0..63 are evaluation problems: never trained on
 

@@ -73,7 +73,7 @@ def tiny_pair(root: str, seed: int = 0) -> tuple[str, str]:
   small mode's stand-ins for Qwen3-8B and z-lab/Qwen3-8B-DFlash-b16 (4 heads and KV heads, so
   tensor parallelism over 4 of the 8 fake devices works as it does for the 8B's 32 / 8; a
   vocabulary of 8, so that a random drafter is right often enough for repairs to win)."""
-  from cure_jax import random_models
+  from cure_jax.analysis import random_models
   arch = random_models.Arch(vocab=8, hidden=64, layers=4, heads=4, kv_heads=4, head_dim=16,
                             draft_layers=2, block_size=8, target_layer_ids=(1, 2))
   target, drafter = random_models.pair(arch, seed)
@@ -92,7 +92,7 @@ def convert_once(hf_dir: str, out_dir: str, kind: str, dtype: str) -> str:
 
 
 def _fits(cfg, model: int) -> bool:
-  from cure_jax import sharding
+  from cure_jax.runtime import sharding
   try:
     sharding.check_config(cfg, types.SimpleNamespace(shape={sharding.MODEL: model}))
   except ValueError:

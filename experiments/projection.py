@@ -16,7 +16,7 @@ import json
 
 from absl import app, flags
 
-from cure_jax import pipeline
+from cure_jax.runtime import pipeline
 from experiments import report
 
 _TPU = flags.DEFINE_list("tpu", [], "aot JSON files of TPU compiles (per-chip counts)")

@@ -11,9 +11,10 @@ import json
 import numpy as np
 from absl import app, flags
 
-from cure_jax import pipeline, repair
-from cure_jax.generation import Generator
-from cure_jax import random_models
+from cure_jax.runtime import pipeline
+from cure_jax.tree import repair
+from cure_jax.runtime.generation import Generator
+from cure_jax.analysis import random_models
 
 _PAIRS = flags.DEFINE_integer("pairs", 8, "random target/drafter pairs")
 _VOCAB = flags.DEFINE_integer("vocab", 8, "vocabulary size")

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cure_jax import pipeline
+from cure_jax.runtime import pipeline
 
 
 def num(x, fmt: str = ".3f", suffix: str = "") -> str:

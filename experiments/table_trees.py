@@ -16,11 +16,13 @@ from typing import Sequence
 
 import numpy as np
 
-from cure_jax import drafting
+from cure_jax.methods.cure import Cure
+from cure_jax.methods.hybrid import leaf_branch
+from cure_jax import methods
 from experiments import cost_model
+from experiments.bench import (Bench, Variant, _indices, compile_seconds, run_variants, summarize,
+                               write_outputs, write_raw)
 from experiments.report import md_table, num
-from experiments.tables import (Bench, Variant, _indices, compile_seconds, run_variants, summarize,
-                                write_outputs, write_raw)
 
 BUDGETS = (16, 32, 64)
 
@@ -92,7 +94,7 @@ def table_trees(bench: Bench, budgets: Sequence[int] = BUDGETS, repeats: int = 5
     s = summarize(runs[v.label], None if v.label == "ar" else runs["ar"])
     gen = bench.generators[bench.key(v)]
     nodes = [st["nodes_verified"] for r in runs[v.label] for st in r.stats]
-    repairs = s["gate_rate"] if v.method in drafting.REPAIR_METHODS else 0.0
+    repairs = s["gate_rate"] if isinstance(methods.get(v.method), Cure) else 0.0
     proj = {}
     for name, c, is_flat in (("cpu_curve", curve, False), ("flat", flat, True)):
       d_ms = cost_model.method_draft_ms(v.method, costs, repairs, num_paths, flat=is_flat)
@@ -102,7 +104,7 @@ def table_trees(bench: Bench, budgets: Sequence[int] = BUDGETS, repeats: int = 5
     s.update(variant=v.label, method=v.method, v_max=gen.cure.v_max if gen.cure else None,
              drafter_passes=0.0 if v.method == "ar" else 1.0 + repairs,
              sources=token_sources(runs[v.label], v.method,
-                                   drafting.leaf_branch(gen.cure) if gen.cure else None),
+                                   leaf_branch(gen.cure) if gen.cure else None),
              measured_speedup_vs_ar=ar["tpot_ms"] / s["tpot_ms"],
              compile_s=compile_seconds(bench, v), **proj)
     if v.label == "ar":

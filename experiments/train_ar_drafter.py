@@ -32,8 +32,9 @@ from absl import app, flags
 from flax import nnx
 
 from convert import checkpoint, qwen3 as convert_qwen3
-from cure_jax import default_model, drafter_data
-from cure_jax.drafter_training import Data
+from cure_jax.runtime import default_model
+from cure_jax.training import data as drafter_data
+from cure_jax.training.batches import Data
 from cure_jax.models.qwen3 import Qwen3
 
 FLAGS = flags.FLAGS

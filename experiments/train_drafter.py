@@ -1,4 +1,4 @@
-"""Trains, exports or measures a DFlash block drafter (cure_jax/drafter_training.py) from a config.
+"""Trains, exports or measures a DFlash block drafter (cure_jax/training/trainer.py) from a config.
 
   PYTHONPATH=. python -m experiments.train_drafter --config=configs/train/smollm2_135m.py
   # the latest checkpoint of config.workdir as a DFlash HF directory (config.export.path):
@@ -29,7 +29,8 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from cure_jax import drafter_training, pipeline
+from cure_jax.training import trainer as drafter_training
+from cure_jax.runtime import pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train/smollm2_135m.py",
                                           "ml_collections drafter training config file")
@@ -42,7 +43,8 @@ _STAGE = flags.DEFINE_enum("stage", "train", ["data", "rebuild", "train", "expor
 def generate_data(config) -> dict:
   """Writes the target's responses to config.generate.prompts, with features, as shards."""
   from convert.qwen3 import load_target
-  from cure_jax import drafter_data, prompts as prompts_lib
+  from cure_jax.training import data as drafter_data
+  from cure_jax.runtime import prompts as prompts_lib
 
   g = config.generate
   if not g.prompts or not g.out:
@@ -69,7 +71,7 @@ def generate_data(config) -> dict:
 def rebuild_data(config) -> int:
   """Recomputes config.generate.out from the responses file by a teacher-forced pass."""
   from convert.qwen3 import load_target
-  from cure_jax import drafter_data
+  from cure_jax.training import data as drafter_data
 
   g = config.generate
   if not g.responses or not g.out:
@@ -85,8 +87,9 @@ def measure(config) -> dict:
   """Chain and cure tau on HumanEval 0..n-1 with our decoder; checks outputs against target AR."""
   from convert.dflash import load_drafter
   from convert.qwen3 import load_target
-  from cure_jax import prompts as prompts_lib, repair
-  from cure_jax.generation import Generator
+  from cure_jax.runtime import prompts as prompts_lib
+  from cure_jax.tree import repair
+  from cure_jax.runtime.generation import Generator
 
   m = config.measure
   target_dir = pipeline.resolve_path(config.target.path)

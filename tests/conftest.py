@@ -42,7 +42,7 @@ def _release_compiled_programs():
   segfaults in a later compile."""
   yield
   import jax
-  from cure_jax import generation
+  from cure_jax.runtime import generation
   generation.release_compiled()
   jax.clear_caches()
   gc.collect()

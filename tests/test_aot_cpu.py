@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cure_jax import random_models
+from cure_jax.analysis import random_models
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = random_models.Arch(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,

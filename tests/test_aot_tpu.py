@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cure_jax import random_models
+from cure_jax.analysis import random_models
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "cure_jax_libtpu.lock"

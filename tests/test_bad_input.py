@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from cure_jax import prompts, repair
-from cure_jax.generation import Generator
-from cure_jax import random_models
+from cure_jax.runtime import prompts
+from cure_jax.tree import repair
+from cure_jax.runtime.generation import Generator
+from cure_jax.analysis import random_models
 
 ARCH = random_models.Arch()
 

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from configs import common
-from experiments import humaneval_exec, tables
-from cure_jax import random_models
+from experiments import (humaneval_exec, table1, table3, table4, table5, table_diagnostic,
+                         table_peers, table_sweep)
+from experiments.bench import Bench, Variant, after_wins, prompt_batches, run_variants
+from cure_jax.analysis import random_models
 
 ARCH = random_models.Arch()
 NUM_PROMPTS = 4
@@ -40,12 +42,10 @@ def bench(tmp_path_factory):
                test="def check(candidate):\n    assert candidate(3) == 3\n") for i, p in
           enumerate(ids)]
   out = tmp_path_factory.mktemp("results")
-  b = tables.Bench(config=config, target=target, drafter=drafter, rows=rows, ids=ids,
-                   tokenizer=_Tokenizer(), results_dir=str(out), progress=False,
-                   echo=lambda s: None)
+  b = Bench(config=config, target=target, drafter=drafter, rows=rows, ids=ids,
+            tokenizer=_Tokenizer(), results_dir=str(out), progress=False, echo=lambda s: None)
   # Compile and decode the three methods every table uses once, up front (~3 compiles).
-  tables.run_variants(b, [tables.Variant.of(m, m) for m in ("ar", "chain", "cure")],
-                      list(range(NUM_PROMPTS)))
+  run_variants(b, [Variant.of(m, m) for m in ("ar", "chain", "cure")], list(range(NUM_PROMPTS)))
   return b
 
 
@@ -60,7 +60,7 @@ def _raw(bench, label):
 
 
 def test_table1(bench):
-  tables.table1(bench)
+  table1.table1(bench)
   t1 = _load(bench, "table1")
   rows = {r["method"]: r for r in t1["rows"]}
   assert set(rows) == {"ar", "chain", "cure"}  # no AR drafter: skipped with a note
@@ -80,7 +80,7 @@ def test_table1(bench):
 
 
 def test_table3(bench):
-  tables.table3(bench)
+  table3.table3(bench)
   t3 = _load(bench, "table3")
   ar = _raw(bench, "ar")
   expected = sum(r["output_ids"][0] % 2 == 0 for r in ar)
@@ -103,7 +103,7 @@ def test_program_runner():
 
 
 def test_table5_and_diagnostic(bench):
-  tables.table5(bench, kinds=("logreg",), steps=100)
+  table5.table5(bench, kinds=("logreg",), steps=100)
   t5 = _load(bench, "table5")
   cure = _raw(bench, "cure")  # the same run as table 1's cure (same settings)
   kept = [s for r in cure for s in r["stats"][:-1]]
@@ -113,7 +113,7 @@ def test_table5_and_diagnostic(bench):
                                     for s in kept)
   assert t5["train"]["blocks"] + t5["test"]["blocks"] == t5["gated_blocks"]
 
-  tables.diagnostic(bench)
+  table_diagnostic.diagnostic(bench)
   d = _load(bench, "diagnostic")
   chain = _raw(bench, "chain")
   assert d["blocks"] == sum(len(r["stats"]) - 1 for r in chain)
@@ -127,8 +127,8 @@ def test_table5_and_diagnostic(bench):
 
 def test_table4(bench):
   # One ablation keeps the test short; the table's shape is the same with all three.
-  tables.table4(bench, problems=3, ablations=(tables.Variant.of("cure w/o resync", "cure",
-                                                                resync=False),))
+  table4.table4(bench, problems=3, ablations=(Variant.of("cure w/o resync", "cure",
+                                                         resync=False),))
   t4 = _load(bench, "table4")
   rows = {r["variant"]: r for r in t4["rows"]}
   assert t4["problems"] == 3 and set(rows) == {"ar", "chain", "cure", "cure w/o resync"}
@@ -144,8 +144,8 @@ def test_table4(bench):
 
 def test_sweep(bench):
   # Base settings only (already compiled): two labels, one decode; plus the cost curves.
-  tables.table_sweep(bench, grid=dict(tau_margin=(3.0,), select=("margin",)), repeats=1,
-                     nodes=(1, 4, 8))
+  table_sweep.table_sweep(bench, grid=dict(tau_margin=(3.0,), select=("margin",)), repeats=1,
+                          nodes=(1, 4, 8))
   sw = _load(bench, "sweep")
   rows = {r["variant"]: r for r in sw["rows"]}
   assert set(rows) == {"ar", "chain", "tau_margin=3.0 (base)", "select=margin (base)"}
@@ -162,7 +162,7 @@ def test_sweep(bench):
 
 
 def test_peers_without_hf_directories(bench):
-  tables.table_peers(bench)  # no HF directories: ours only, peers skipped with a note
+  table_peers.table_peers(bench)  # no HF directories: ours only, peers skipped with a note
   peers = _load(bench, "peers")
   assert [r["system"] for r in peers["rows"]] == ["cure_jax ar", "cure_jax chain", "cure_jax cure"]
   assert peers["notes"] and all(r["equal_to_our_ar"] == NUM_PROMPTS for r in peers["rows"])
@@ -179,7 +179,7 @@ def test_ar_bound_against_transformers():
   matrix-vector speed (the floor stretches by read / gemv bandwidth)."""
   rows = [dict(system="cure_jax ar", tpot_ms=30.0),
           dict(system="transformers generate (torch fp32)", tpot_ms=60.0)]
-  bound = tables._ar_bound(rows, 15.0, dict(gbytes_per_s=30.0, gemv_gbytes_per_s=20.0))
+  bound = table_peers._ar_bound(rows, 15.0, dict(gbytes_per_s=30.0, gemv_gbytes_per_s=20.0))
   assert bound == dict(measured=2.0, at_read_floor=4.0, at_gemv_floor=60.0 / 22.5)
 
 
@@ -189,15 +189,15 @@ def test_batched_runs_match_batch1(bench):
   import copy
   config = copy.deepcopy(bench.config)
   config.batch_size = 3
-  batched = tables.Bench(config=config, target=bench.target, drafter=bench.drafter,
-                         rows=bench.rows, ids=bench.ids, results_dir=bench.results_dir,
-                         progress=False, warmup=False, echo=lambda s: None)
-  chunks = tables.prompt_batches(batched, list(range(NUM_PROMPTS)))
+  batched = Bench(config=config, target=bench.target, drafter=bench.drafter, rows=bench.rows,
+                  ids=bench.ids, results_dir=bench.results_dir, progress=False, warmup=False,
+                  echo=lambda s: None)
+  chunks = prompt_batches(batched, list(range(NUM_PROMPTS)))
   assert sorted(i for c in chunks for i in c) == list(range(NUM_PROMPTS))
   assert [len(c) for c in chunks] == [3, 1]
-  variant = tables.Variant.of("cure", "cure")
-  one = tables.run_variants(bench, [variant], list(range(NUM_PROMPTS)))["cure"]
-  many = tables.run_variants(batched, [variant], list(range(NUM_PROMPTS)))["cure"]
+  variant = Variant.of("cure", "cure")
+  one = run_variants(bench, [variant], list(range(NUM_PROMPTS)))["cure"]
+  many = run_variants(batched, [variant], list(range(NUM_PROMPTS)))["cure"]
   assert [r.output_ids for r in many] == [r.output_ids for r in one]
   first = chunks[0]
   shares = [many[i].decode_s for i in first]
@@ -236,20 +236,19 @@ def test_roofline_floors(bench):
 
 def test_reuse_raw_skips_decoding(bench):
   """--reuse_raw: a variant whose raw file exists is read back, not decoded again."""
-  tables.table1(bench)
-  again = tables.Bench(config=bench.config, target=bench.target, drafter=bench.drafter,
-                       rows=bench.rows, ids=bench.ids, results_dir=bench.results_dir,
-                       progress=False, echo=lambda s: None,
-                       reuse_raw=str(Path(bench.results_dir) / "raw"))
-  runs = tables.run_variants(again, [tables.Variant.of("chain", "chain")],
-                             list(range(NUM_PROMPTS)))
+  table1.table1(bench)
+  again = Bench(config=bench.config, target=bench.target, drafter=bench.drafter,
+                rows=bench.rows, ids=bench.ids, results_dir=bench.results_dir,
+                progress=False, echo=lambda s: None,
+                reuse_raw=str(Path(bench.results_dir) / "raw"))
+  runs = run_variants(again, [Variant.of("chain", "chain")], list(range(NUM_PROMPTS)))
   assert not again.generators  # nothing compiled or decoded
   first = bench.runs[("chain",)]
   assert [r.output_ids for r in runs["chain"]] == [first[i].output_ids for i in range(NUM_PROMPTS)]
   assert runs["chain"][0].stats == first[0].stats
   missing = dataclasses.replace(again, reuse_raw=str(Path(bench.results_dir) / "no_such_raw"))
   with pytest.raises(FileNotFoundError, match="reuse_raw"):
-    tables.run_variants(missing, [tables.Variant.of("chain", "chain")], [0])
+    run_variants(missing, [Variant.of("chain", "chain")], [0])
 
 
 def test_accepted_length_after_a_repair_win():
@@ -262,10 +261,10 @@ def test_accepted_length_after_a_repair_win():
 
   runs = [SimpleNamespace(stats=[it(2, 5), it(0, 1), it(0, 4), it(1, 3)]),
           SimpleNamespace(stats=[it(1, 2), it(0, 6)])]
-  assert tables.after_wins(runs) == dict(iterations_after_repair_win=2,
-                                         tau_after_repair_win=(1 + 6) / 2,
-                                         tau_after_branch0_win=(4 + 3) / 2)
-  assert tables.after_wins([SimpleNamespace(stats=[it(0, 3)])])["tau_after_repair_win"] is None
+  assert after_wins(runs) == dict(iterations_after_repair_win=2,
+                                  tau_after_repair_win=(1 + 6) / 2,
+                                  tau_after_branch0_win=(4 + 3) / 2)
+  assert after_wins([SimpleNamespace(stats=[it(0, 3)])])["tau_after_repair_win"] is None
 
 
 def test_trees_table(bench):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
 
-from cure_jax import best_first, tree as tree_lib
+from cure_jax.tree import best_first, candidates as tree_lib
 
 
 def _paths(t, b):

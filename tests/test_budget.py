@@ -4,8 +4,9 @@ an exploration step), per sequence, inside the compiled loop."""
 import jax.numpy as jnp
 import numpy as np
 
-from cure_jax import budget, repair, random_models
-from cure_jax.generation import Generator
+from cure_jax.tree import budget, repair
+from cure_jax.analysis import random_models
+from cure_jax.runtime.generation import Generator
 
 ARCH = random_models.Arch()
 

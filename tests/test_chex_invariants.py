@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from cure_jax import decoding, drafting, generation, random_models, repair, tree as tree_lib, verify
-from cure_jax.cache import KVCache
-from cure_jax.generation import Generator
+from cure_jax.runtime import decoding, generation
+from cure_jax.methods.base import Spec
+from cure_jax.analysis import random_models
+from cure_jax.tree import repair, candidates as tree_lib, verify
+from cure_jax.models.cache import KVCache
+from cure_jax.runtime.generation import Generator
 from tests.test_tree import _random_block, cases
 
 SETTINGS = settings(max_examples=15, deadline=None)
@@ -237,11 +240,11 @@ class TreeInvariants(chex.TestCase):
     shape = (layers, BATCH, t.size, kvh, hd)                                # the tree's K/V
     k_new, v_new = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
 
-    spec = drafting.Spec(method="ar", max_new_tokens=1, max_len=max_len)
+    spec = Spec(method="ar", max_new_tokens=1, max_len=max_len)
 
     def commit(cache, k_tree, v_tree, path, count):
       out = types.SimpleNamespace(k=k_tree, v=v_tree)
-      return drafting.commit_target(cache, drafting.keep_verified(spec, t, out, path), count)
+      return decoding.commit_target(cache, spec.impl.keep_verified(spec, t, out, path), count)
 
     new = self.variant(commit)(old, k_new, v_new, verdict.path, count)
     chex.assert_trees_all_equal_shapes_and_dtypes(new, old)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from convert import checkpoint
 from convert.dflash import export_hf, load_drafter
 from convert.qwen3 import load_target
-from cure_jax.generation import Generator
+from cure_jax.runtime.generation import Generator
 from tests.dflash_reference import (PairSpec, add_model_prefix, build_pair, reference_block_logits,
                                     reference_features, reference_generate)
 

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from cure_jax import diagnostics
-from cure_jax.diagnostics import BlockRecord
+from cure_jax.analysis import diagnostics
+from cure_jax.analysis.diagnostics import BlockRecord
 
 K = 6  # block size: positions 1..5
 

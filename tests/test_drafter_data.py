@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from convert.qwen3 import load_target
-from cure_jax import drafter_data
+from cure_jax.training import data as drafter_data
 
 LAYER_IDS = (0, 2)              # features: hidden_states[1] and hidden_states[3] (the last)
 PROMPTS = [[5, 17, 3], [9, 1, 40, 22, 8, 31], [60], [12, 12, 70, 4]]

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from cure_jax import decoding, random_models, repair
-from cure_jax.generation import decoding_spec
+from cure_jax.runtime import decoding
+from cure_jax.analysis import random_models
+from cure_jax.tree import repair
+from cure_jax.runtime.generation import decoding_spec
 
 ARCH = random_models.Arch()
 

@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from cure_jax import decoding, repair
-from cure_jax.drafting import Spec
-from cure_jax import random_models
+from cure_jax.runtime import decoding
+from cure_jax.tree import repair
+from cure_jax.methods.base import Spec
+from cure_jax.analysis import random_models
 
 ARCH = random_models.Arch()
 

@@ -3,9 +3,9 @@ tokens, for every method, on many random target/drafter pairs and prompts."""
 
 import pytest
 
-from cure_jax import repair
-from cure_jax.generation import Generator
-from cure_jax import random_models
+from cure_jax.tree import repair
+from cure_jax.runtime.generation import Generator
+from cure_jax.analysis import random_models
 
 QWEN3 = random_models.Arch()
 LLAMA = random_models.Arch(vocab=6, model_type="llama", tie=True, heads=4, kv_heads=1,

@@ -136,7 +136,7 @@ def test_bfloat16_load_is_close_to_float32(case):
 
 def test_greedy_generation_matches_transformers_generate(case):
   """32 greedy tokens from our compiled AR loop equal `generate` (ties broken alike by argmax)."""
-  from cure_jax.generation import Generator
+  from cure_jax.runtime.generation import Generator
   hf_model = random_hf_model(*CASES[case.name][:2], **CASES[case.name][2])
   prompt = case.tokens[0, :12].tolist()
   with torch.no_grad():

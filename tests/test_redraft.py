@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cure_jax import decoding, drafting, random_models, repair
-from cure_jax.drafting import Spec
+from cure_jax.analysis import random_models
+from cure_jax.methods.base import Spec, depth_limit
+from cure_jax.runtime import decoding
+from cure_jax.tree import repair
 
 ARCH = random_models.Arch(vocab=12, block_size=8)
 
@@ -31,9 +33,9 @@ def _spec(v_max: int, select: str) -> Spec:
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _propose(graphdef, params, state, spec):
   target, drafter = nnx.merge(graphdef, params)
-  limit = drafting.depth_limit(spec, state.cache.lengths, state.produced)
-  proposal, _ = drafting.propose(target, drafter, state.dcache, spec, state.key, state.anchor,
-                                 state.cache.lengths, limit)
+  limit = depth_limit(spec, state.cache.lengths, state.produced)
+  proposal, _ = spec.impl.propose(target, drafter, state.dcache, spec, state.key, state.anchor,
+                                  state.cache.lengths, limit)
   return proposal.tree, limit
 
 

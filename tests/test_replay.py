@@ -7,8 +7,9 @@ matplotlib.use("Agg")
 import numpy as np
 import pytest
 
-from cure_jax import random_models, repair, replay, viz
-from cure_jax.generation import Generator
+from cure_jax.analysis import random_models, replay, viz
+from cure_jax.tree import repair
+from cure_jax.runtime.generation import Generator
 
 ARCH = random_models.Arch()
 

@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cure_jax import decoding, drafting, repair
-from cure_jax.drafting import Spec
-from cure_jax import random_models
+from cure_jax.methods import block
+from cure_jax.methods.base import Spec, depth_limit
+from cure_jax.runtime import decoding
+from cure_jax.tree import repair
+from cure_jax.analysis import random_models
 
 ARCH = random_models.Arch()
 MAX_NEW = 16
@@ -32,9 +34,9 @@ def _one_iteration(graphdef, params, state, spec):
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _next_draft(graphdef, params, state, spec):
   target, drafter = nnx.merge(graphdef, params)
-  limit = drafting.depth_limit(spec, state.cache.lengths, state.produced)
-  logits = drafting._dflash_logits(target, drafter, state.dcache, spec, state.anchor,
-                                   state.cache.lengths, limit)
+  limit = depth_limit(spec, state.cache.lengths, state.produced)
+  logits = block.main_logits(target, drafter, state.dcache, spec, state.anchor,
+                             state.cache.lengths, limit)
   return jnp.argmax(logits, axis=-1), logits
 
 

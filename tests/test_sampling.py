@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cure_jax import repair, sampling, verify
-from cure_jax.generation import Generator
-from cure_jax.sampling import Sampling
-from cure_jax import random_models
+from cure_jax.tree import repair, sampling, verify
+from cure_jax.runtime.generation import Generator
+from cure_jax.tree.sampling import Sampling
+from cure_jax.analysis import random_models
 
 ARCH = random_models.Arch(vocab=4, block_size=4, target_layer_ids=(0, 2))
 N = 3000

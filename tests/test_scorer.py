@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from cure_jax import scorer
-from cure_jax.diagnostics import BlockRecord
+from cure_jax.analysis import scorer
+from cure_jax.analysis.diagnostics import BlockRecord
 
 K = 6
 

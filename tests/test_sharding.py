@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cure_jax import repair, sharding
-from cure_jax.generation import Generator
-from cure_jax import random_models
+from cure_jax.tree import repair
+from cure_jax.runtime import sharding
+from cure_jax.runtime.generation import Generator
+from cure_jax.analysis import random_models
 from tests.fake_devices import run_in_child
 
 DEVICES = 8
@@ -98,7 +99,7 @@ def test_parameters_take_one_mth_per_device():
 def test_pipeline_loads_straight_onto_the_mesh(tmp_path):
   from configs import common
   from convert.qwen3 import convert_hf, load_target
-  from cure_jax import pipeline
+  from cure_jax.runtime import pipeline
   target, drafter = random_models.pair(ARCH, 5)   # test_sharded_decoding's ar compile is reused
   target_dir, drafter_dir = random_models.write_hf(tmp_path, target, drafter)
   config = common.base_config()
@@ -148,7 +149,7 @@ def test_settings_that_cannot_be_split_are_named(tmp_path):
     sharding.spec_for(("rotary", "inv_freq"), (4,), _mesh(2, 4))
   # Through the pipeline, from config.json, before any weight is read.
   from configs import common
-  from cure_jax import pipeline
+  from cure_jax.runtime import pipeline
   target_dir, _ = random_models.write_hf(tmp_path, target, drafter)
   config = common.base_config()
   config.target.path = str(target_dir)

@@ -8,9 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cure_jax import generation, random_models, repair, sharding
-from cure_jax.generation import Generator
-from cure_jax.models import dflash, layers, qwen3, tpu_attention
+from cure_jax.runtime import generation, sharding
+from cure_jax.analysis import random_models
+from cure_jax.tree import repair
+from cure_jax.runtime.generation import Generator
+from cure_jax.models import dflash, layers, qwen3
+from cure_jax.models.kernels import tpu_attention
 from tests.fake_devices import run_in_child
 
 # (batch, blocks A, rows T, heads, KV heads, head dim, cache slots S, new tokens U)

@@ -1,4 +1,4 @@
-"""The drafter trainer (cure_jax/drafter_training.py) on configs/train/tiny.py.
+"""The drafter trainer (cure_jax/training/trainer.py) on configs/train/tiny.py.
 
 A random 4-layer Qwen3 target (saved by transformers) and shards of its own greedy
 continuations are built once per module; the tiny config trains on them in seconds. The
@@ -22,7 +22,7 @@ from transformers import Qwen3ForCausalLM
 
 from configs.train import tiny
 from convert.qwen3 import load_target
-from cure_jax import drafter_data, drafter_training
+from cure_jax.training import data as drafter_data, objective, trainer as drafter_training
 from tests.dflash_reference import PairSpec, build_pair, reference_block_logits
 from tests.fake_devices import run_in_child
 
@@ -99,9 +99,9 @@ def test_export_loads_in_the_reference_and_matches_its_block_logits(world, train
     feats = np.asarray(data.features[s:s + p], np.float32)[None]           # [1, p, F]
     block = np.full((1, 1, k), trained.cfg.mask_token_id, np.int32)
     block[0, 0, 0] = data.tokens[s + p]
-    hidden = drafter_training.train_forward(drafter, trained.embed, jnp.asarray(feats),
-                                            jnp.asarray(block), jnp.asarray([[p]]))
-    ours = np.asarray(drafter_training.block_logits(drafter, hidden[0, 0, 1:], trained.head))
+    hidden = objective.train_forward(drafter, trained.embed, jnp.asarray(feats),
+                                     jnp.asarray(block), jnp.asarray([[p]]))
+    ours = np.asarray(objective.block_logits(drafter, hidden[0, 0, 1:], trained.head))
     with torch.no_grad():
       ref = reference_block_logits(pair, torch.from_numpy(feats), int(block[0, 0, 0]), k)
     np.testing.assert_allclose(ours, ref[0].numpy(), rtol=0, atol=1e-4)

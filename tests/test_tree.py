@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from cure_jax import repair, tree as tree_lib
+from cure_jax.tree import repair, candidates as tree_lib
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from cure_jax.cache import KVCache
+from cure_jax.models.cache import KVCache
 from cure_jax.models.layers import RMSNorm, Rope, SwiGLU, attend, linear, rope_from_hf
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cure_jax.models import tpu_attention
+from cure_jax.models.kernels import tpu_attention
 
 
 class RMSNorm(nnx.Module):

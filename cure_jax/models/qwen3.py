@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cure_jax.cache import KVCache
+from cure_jax.models.cache import KVCache
 from cure_jax.models.layers import RMSNorm, Rope, SwiGLU, attend, linear, rope_from_hf
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")

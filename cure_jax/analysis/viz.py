@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from cure_jax import diagnostics
+from cure_jax.analysis import diagnostics
 
 COLORS = dict(root="#4c72b0", won="#2ca02c", rejected="#eeeeee", edge="#999999")
 

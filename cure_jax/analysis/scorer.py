@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cure_jax.diagnostics import BlockRecord
+from cure_jax.analysis.diagnostics import BlockRecord
 
 BUDGETS = (0.1, 0.3)
 MARGIN_CAP = 20.0  # margins are clipped here so a few huge ones do not dominate the features

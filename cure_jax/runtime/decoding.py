@@ -3,7 +3,8 @@
 `prefill` runs the prompt through the target (and the drafter), `decode` runs
 `lax.while_loop` over iterations of propose -> verify -> commit -> resync until every sequence
 has its tokens or hit a stop token. Both are compiled once per (Spec, batch, prompt bucket);
-the loop never returns to the host between iterations.
+the loop never returns to the host between iterations. What differs between methods is asked
+of `spec.impl` (cure_jax/methods); this file names no method.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from cure_jax import budget as budget_lib, drafting, sampling, verify
-from cure_jax.cache import KVCache
-from cure_jax.drafting import Spec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cure_jax.methods.base import Proposal, Spec, Verified, choose, depth_limit
+from cure_jax.models.cache import KVCache
+from cure_jax.runtime import sharding
+from cure_jax.tree import budget as budget_lib, sampling, verify
 
 
 @struct.dataclass
@@ -81,16 +85,9 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> St
   out = target(prompt, positions, target.init_cache(b, 0), mask, spec.feature_layers)
   last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(key)
-  first, _ = drafting.choose(spec, sub, target.logits(last))
+  first, _ = choose(spec, sub, target.logits(last))
   cache = target.init_cache(b, s).append(out.k, out.v, prompt_len)
-
-  dcache = None
-  if spec.method in drafting.DFLASH_METHODS:
-    k, v = drafter.context_kv(out.features, positions)
-    dcache = drafter.init_cache(b, s).append(k, v, prompt_len)
-  elif spec.method == "ar_draft":
-    dout = drafter(prompt, positions, drafter.init_cache(b, 0), mask)
-    dcache = drafter.init_cache(b, s).append(dout.k, dout.v, prompt_len)
+  dcache = spec.impl.init_drafter(drafter, spec, out, prompt, prompt_len, positions, mask)
 
   n = spec.max_new_tokens
   u = spec.cure.max_repair_positions if spec.cure else 1
@@ -104,12 +101,12 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> St
 
 def propose(target, drafter, spec: Spec, st: State):
   """Phase 1, draft and tree build: (proposal, drafter cache)."""
-  limit = drafting.depth_limit(spec, st.cache.lengths, st.produced)
+  limit = depth_limit(spec, st.cache.lengths, st.produced)
   key_draft = jax.random.fold_in(st.key, 1)
   want = (budget_lib.want_tree(st.budget, st.step, spec.cure, spec.block_size) if spec.online
           else None)
-  return drafting.propose(target, drafter, st.dcache, spec, key_draft, st.anchor,
-                          st.cache.lengths, limit, want)
+  return spec.impl.propose(target, drafter, st.dcache, spec, key_draft, st.anchor,
+                           st.cache.lengths, limit, want)
 
 
 def _beyond_branch0(tree):
@@ -117,7 +114,7 @@ def _beyond_branch0(tree):
   return jnp.any(tree.valid & (tree.branch != 0), axis=1)
 
 
-def _verify(target, spec: Spec, st: State, proposal: drafting.Proposal):
+def _verify(target, spec: Spec, st: State, proposal: Proposal):
   tree = proposal.tree
   lengths = st.cache.lengths
   out = target(tree.tokens, tree.positions(lengths), st.cache,
@@ -129,10 +126,10 @@ def _verify(target, spec: Spec, st: State, proposal: drafting.Proposal):
     verdict = verify.stochastic(tree, sampling.warp(logits, spec.sampling), proposal.q,
                                 proposal.deterministic, jax.random.fold_in(st.key, 2),
                                 spec.block_size, spec.max_children)
-  return verdict, drafting.keep_verified(spec, tree, out, verdict.path)
+  return verdict, spec.impl.keep_verified(spec, tree, out, verdict.path)
 
 
-def verify_tree(target, spec: Spec, st: State, proposal: drafting.Proposal):
+def verify_tree(target, spec: Spec, st: State, proposal: Proposal):
   """Phase 2, one target forward over the whole tree: (verdict, what the commit keeps).
 
   Under the online budget, an iteration in which no sequence built more than branch 0 verifies
@@ -187,15 +184,20 @@ def _record(stats: Stats, step, active, proposal, verdict, n_new) -> Stats:
   return stats
 
 
+def commit_target(cache: KVCache, verified: Verified, count) -> KVCache:
+  """Moves the accepted nodes' keys/values into contiguous slots after the committed prefix."""
+  return cache.append(verified.k, verified.v, count)
+
+
 def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified) -> State:
   """Phase 3: accepted keys/values into the target cache, drafter resync, outputs, stats."""
   active = ~st.done
   lengths = st.cache.lengths
   emitted, n_new, hit_stop = _emitted(spec, st, proposal.tree, verdict)
   count = jnp.where(active, verdict.accepted + 1, 0)  # committed nodes: root + accepted
-  cache = drafting.commit_target(st.cache, verified, count)
+  cache = commit_target(st.cache, verified, count)
   if dcache is not None:  # an inactive sequence keeps its drafter state
-    dcache = drafting.resync(drafter, dcache, spec, verified, lengths, count)
+    dcache = spec.impl.resync(drafter, dcache, spec, verified, lengths, count)
     dcache = dcache.replace(lengths=jnp.where(active, dcache.lengths, st.dcache.lengths))
   i = jnp.arange(spec.block_size)[None]
   slots = jnp.where(i < n_new[:, None], st.produced[:, None] + i, st.tokens.shape[1])
@@ -230,3 +232,38 @@ def decode(graphdef, params, state: State, *, spec: Spec) -> State:
     return jnp.any(~st.done) & (st.step < spec.max_new_tokens)
 
   return jax.lax.while_loop(cond, lambda st: iteration(target, drafter, spec, st), state)
+
+
+# --- sharded compile ------------------------------------------------------------------------------
+
+def lower_sharded(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
+  """Lowered (prefill, decode) for sharded params: the same jitted functions as the unsharded
+  path, wrapped so that the state's shardings are fixed at their boundaries (decode donates it).
+  `params` may be abstract (ShapeDtypeStructs with shardings): nothing is allocated, so a mesh
+  of compile-only devices (jax.experimental.topologies) works too."""
+  rows = NamedSharding(mesh, P(sharding.DATA, None))
+  prompt = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=rows)
+  plen = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P(sharding.DATA)))
+  key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  key_data = jax.ShapeDtypeStruct(key_data.shape, key_data.dtype, sharding=NamedSharding(mesh, P()))
+
+  def start(p, x, n, k):  # k: raw key data (put_key), so every process can supply it
+    return prefill(graphdef, p, x, n, jax.random.wrap_key_data(k), spec=spec)
+
+  def run(p, st):
+    return decode(graphdef, p, st, spec=spec)
+
+  with jax.set_mesh(mesh):   # the TPU attention kernel runs per shard of this mesh
+    shapes = jax.eval_shape(start, params, prompt, plen, key_data)
+    out = sharding.decoding_state_shardings(shapes, mesh)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         shapes, out)
+    pre = jax.jit(start, out_shardings=out).lower(params, prompt, plen, key_data)
+    dec = jax.jit(run, out_shardings=out, donate_argnums=1).lower(params, state)
+  return pre, dec
+
+
+def compile_sharded(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
+  """Compiled (prefill, decode) of lower_sharded."""
+  pre, dec = lower_sharded(graphdef, params, spec, batch, bucket, mesh)
+  return pre.compile(), dec.compile()

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cure_jax import decoding, repair, sharding
-from cure_jax.drafting import DFLASH_METHODS, METHODS, TREE_METHODS, Spec
-from cure_jax.sampling import Sampling
-from cure_jax.models.dflash import DFlash
+from cure_jax import methods
+from cure_jax.methods.base import Spec
+from cure_jax.runtime import decoding, sharding
+from cure_jax.tree import repair
+from cure_jax.tree.sampling import Sampling
 
 PROMPT_BUCKET = 32
 _EXECUTABLES: dict[tuple, tuple] = {}  # (graphdef, Spec, batch, bucket, mesh) -> (prefill, decode)
@@ -49,65 +50,46 @@ def prompt_bucket(length: int) -> int:
 def decoding_spec(method: str, drafter, max_new_tokens: int, max_len: int, stop_ids=(),
                   block_size: int = 1, cure: repair.RepairConfig | None = None,
                   sampling: Sampling = Sampling()) -> Spec:
-  """The static Spec of a run; a DFlash drafter (chain, cure, ddtree, hybrid) supplies its mask
-  token and the target layers it reads. Works on abstract modules (nnx.eval_shape) too."""
-  block = method in DFLASH_METHODS
+  """The static Spec of a run; the method takes what it needs from the drafter (a DFlash
+  drafter's mask token and target layers). Works on abstract modules (nnx.eval_shape) too."""
+  impl = methods.get(method)
   return Spec(method=method, max_new_tokens=max_new_tokens, max_len=max_len,
               stop_ids=tuple(stop_ids), block_size=block_size,
-              mask_token_id=drafter.cfg.mask_token_id if block else 0,
-              feature_layers=drafter.cfg.feature_layers if block else (),
-              cure=cure if method in TREE_METHODS else None, sampling=sampling)
+              cure=cure if impl.tree_config else None, sampling=sampling,
+              **impl.spec_fields(drafter))
 
 
 class Generator:
   """Decodes token-id prompts with one method; construct once, call `generate` many times.
 
-  With a `mesh` (cure_jax.sharding.make_mesh) the parameters are sharded by the partition rules
-  and each batch is padded to a multiple of mesh.data and split over it.
+  With a `mesh` (cure_jax.runtime.sharding.make_mesh) the parameters are sharded by the partition
+  rules and each batch is padded to a multiple of mesh.data and split over it.
   """
 
   def __init__(self, target, drafter=None, *, method: str, max_new_tokens: int,
                stop_ids=(), block_size: int | None = None, cure: repair.RepairConfig | None = None,
                max_len: int | None = None, mesh=None, sampling: Sampling = Sampling(),
                seed: int = 0):
-    if method not in METHODS:
-      raise ValueError(f"method={method!r}; choose one of {METHODS}")
+    impl = methods.get(method)
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if method != "ar" and drafter is None:
+    if impl.drafter_kind and drafter is None:
       raise ValueError(f"method={method!r} needs a drafter (set drafter.path)")
-    self.target, self.drafter = target, (drafter if method != "ar" else None)
+    self.target, self.drafter = target, (drafter if impl.drafter_kind else None)
     self.method = method
     self.max_new_tokens = max_new_tokens
     self.stop_ids = tuple(int(i) for i in stop_ids)
     self.max_len = max_len
-    if method in DFLASH_METHODS:
-      if not isinstance(drafter, DFlash):
-        raise ValueError(f"method={method!r} needs a DFlash block drafter")
-      drafter.cfg.check_against(target.cfg)
-      block_size = block_size or drafter.cfg.block_size
-    elif method == "ar_draft":
-      if drafter.cfg.vocab_size != target.cfg.vocab_size:
-        raise ValueError(f"ar_draft drafter vocab {drafter.cfg.vocab_size} != target vocab "
-                         f"{target.cfg.vocab_size}: it must share the target's tokenizer")
-      block_size = block_size or 5
-    else:
-      block_size = 1
+    impl.check(target, self.drafter)
+    block_size = impl.block_size(self.drafter, block_size)
     if block_size < 1:
       raise ValueError(f"block size {block_size} must be >= 1")
-    if method in TREE_METHODS:
-      cure = cure or repair.RepairConfig(max_depth=block_size - 1)
-      cure.validate(block_size)
-      for name in ("b_max",) + (("topk",) if method in ("ddtree", "hybrid") else ()):
-        if getattr(cure, name) >= target.cfg.vocab_size:
-          raise ValueError(f"cure.{name}={getattr(cure, name)} alternatives need a vocabulary of "
-                           f"more than {getattr(cure, name)} tokens (target has "
-                           f"{target.cfg.vocab_size})")
+    cure = impl.tree_settings(target, block_size, cure)
     self.block_size = block_size
     sampling.validate()
     self.sampling = sampling
     self.seed = seed
-    self.cure = cure if method in TREE_METHODS else None
+    self.cure = cure
     self.graphdef, self.params = nnx.split((self.target, self.drafter))
     self.mesh = mesh
     if mesh is not None:
@@ -139,8 +121,8 @@ class Generator:
     key = (self.graphdef, spec, batch, bucket, self.mesh)
     if key not in _EXECUTABLES and self.mesh is not None:
       t0 = time.perf_counter()
-      _EXECUTABLES[key] = sharding.compile_decoding(self.graphdef, self.params, spec, batch,
-                                                    bucket, self.mesh)
+      _EXECUTABLES[key] = decoding.compile_sharded(self.graphdef, self.params, spec, batch,
+                                                   bucket, self.mesh)
       self.compile_s[(batch, bucket, max_len)] = time.perf_counter() - t0
     if key not in _EXECUTABLES:
       t0 = time.perf_counter()

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cure_jax import decoding
-from cure_jax.generation import Generator, prompt_bucket
+from cure_jax.runtime import decoding
+from cure_jax.runtime.generation import Generator, prompt_bucket
 
 
 @dataclasses.dataclass

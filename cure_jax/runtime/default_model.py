@@ -1,7 +1,7 @@
 """The embedded default: SmolLM2-135M-Instruct (converted once from its packaged GGUF) and the
 drafters trained for it that ship inside this package.
 
-    from cure_jax import default_model
+    from cure_jax.runtime import default_model
     target_dir = default_model.smollm2_dir()          # HF directory, converted on first use
     drafter_dir = default_model.SMOLLM2_DFLASH_DIR    # DFlash block drafter (block size 16)
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-_ASSETS = Path(__file__).resolve().parent / "assets"
+_ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 # DFlash drafter trained for SmolLM2-135M-Instruct (config.json + model.safetensors).
 SMOLLM2_DFLASH_DIR = str(_ASSETS / "smollm2_dflash")

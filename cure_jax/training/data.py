@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from cure_jax import pipeline, prompts as prompts_lib
+from cure_jax.runtime import pipeline, prompts as prompts_lib
 
 FEATURE_DTYPE = "bfloat16"
 _META_KEYS = ("target_layer_ids", "feature_layers", "hidden")

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from cure_jax import sampling
-from cure_jax.tree import Tree
+from cure_jax.tree import sampling
+from cure_jax.tree.candidates import Tree
 
 
 @struct.dataclass

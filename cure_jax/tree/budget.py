@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-from cure_jax.repair import RepairConfig
+from cure_jax.tree.repair import RepairConfig
 
 PRIOR_GAIN = 1.0  # optimistic start: the first iterations repair and measure g
 

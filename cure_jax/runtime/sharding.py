@@ -12,9 +12,10 @@ sharded parameters and are compiled with the state's shardings as outputs, and X
 propagation inserts the collectives (an all-reduce after o_proj and after down_proj, a
 cross-shard argmax / softmax over the vocabulary-parallel logits, small gathers of the new
 tokens' keys and values for the batch-indexed cache writes). No collective has to be written by
-hand, and there is no pmap. The one shard_map is TPU attention's (models/tpu_attention.py): a
-Pallas kernel is opaque to sharding propagation, so it runs per (data, model) shard of the mesh
-that lower_decoding sets, where the caches already are.
+hand, and there is no pmap. The one shard_map is TPU attention's
+(models/kernels/tpu_attention.py): a Pallas kernel is opaque to sharding propagation, so it runs
+per (data, model) shard of the mesh
+that decoding.lower_sharded sets, where the caches already are.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-DATA, MODEL = "data", "model"
+from cure_jax.models.axes import DATA, MODEL
 
 # (pattern searched in the '/'-joined state path, spec, config field that must divide by the
 # model axis). First match wins; the paths are those of nnx.split(module) for Qwen3 / Llama
@@ -76,7 +77,7 @@ def spec_for(path, shape: Sequence[int], mesh: Mesh) -> P:
       break
   else:
     raise ValueError(f"no partition rule for parameter {name} {tuple(shape)}; add one to RULES "
-                     "in cure_jax/sharding.py")
+                     "in cure_jax/runtime/sharding.py")
   if len(spec) != len(shape):
     raise ValueError(f"rule {pattern!r} expects a rank-{len(spec)} tensor, {name} has shape "
                      f"{tuple(shape)}")
@@ -190,7 +191,7 @@ def put_batch(array: np.ndarray, mesh: Mesh) -> jax.Array:
 
 
 def put_key(key: jax.Array, mesh: Mesh) -> jax.Array:
-  """A PRNG key as replicated raw key data, the form compile_decoding's prefill takes."""
+  """A PRNG key as replicated raw key data, the form decoding.lower_sharded's prefill takes."""
   return _put(np.asarray(jax.random.key_data(key)), NamedSharding(mesh, P()))
 
 
@@ -201,38 +202,3 @@ def to_host(tree):
       return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return jax.device_get(x)
   return jax.tree.map(get, tree)
-
-
-def lower_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
-  """Lowered (prefill, decode) for sharded params: the same jitted functions as the unsharded
-  path, wrapped so that the state's shardings are fixed at their boundaries (decode donates it).
-  `params` may be abstract (ShapeDtypeStructs with shardings): nothing is allocated, so a mesh
-  of compile-only devices (jax.experimental.topologies) works too."""
-  from cure_jax import decoding  # decoding does not import this module; keep it that way
-
-  rows = NamedSharding(mesh, P(DATA, None))
-  prompt = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=rows)
-  plen = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P(DATA)))
-  key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-  key_data = jax.ShapeDtypeStruct(key_data.shape, key_data.dtype, sharding=NamedSharding(mesh, P()))
-
-  def prefill(p, x, n, k):  # k: raw key data (put_key), so every process can supply it
-    return decoding.prefill(graphdef, p, x, n, jax.random.wrap_key_data(k), spec=spec)
-
-  def decode(p, st):
-    return decoding.decode(graphdef, p, st, spec=spec)
-
-  with jax.set_mesh(mesh):   # the TPU attention kernel runs per shard of this mesh
-    shapes = jax.eval_shape(prefill, params, prompt, plen, key_data)
-    out = decoding_state_shardings(shapes, mesh)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         shapes, out)
-    pre = jax.jit(prefill, out_shardings=out).lower(params, prompt, plen, key_data)
-    dec = jax.jit(decode, out_shardings=out, donate_argnums=1).lower(params, state)
-  return pre, dec
-
-
-def compile_decoding(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
-  """Compiled (prefill, decode) of lower_decoding."""
-  pre, dec = lower_decoding(graphdef, params, spec, batch, bucket, mesh)
-  return pre.compile(), dec.compile()

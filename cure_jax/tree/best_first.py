@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cure_jax.tree import PAD, Tree, ancestor_mask
+from cure_jax.tree.candidates import PAD, Tree, ancestor_mask
 
 MAIN, OFF_MAIN = 0, 1  # Tree.branch of ddtree nodes: on the all-top-1 path, or anywhere else
 

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from cure_jax.sharding import DATA, MODEL
+from cure_jax.models.axes import DATA, MODEL
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _LANES = 128

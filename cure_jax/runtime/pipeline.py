@@ -15,10 +15,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from cure_jax import repair
-from cure_jax.drafting import DFLASH_METHODS, TREE_METHODS
-from cure_jax.generation import Generator, Result
-from cure_jax.sampling import Sampling
+from cure_jax import methods
+from cure_jax.runtime.generation import Generator, Result
+from cure_jax.tree import repair
+from cure_jax.tree.sampling import Sampling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -30,7 +30,7 @@ def dtype_of(config):
 
 
 def _embedded() -> dict:
-  from cure_jax import default_model
+  from cure_jax.runtime import default_model
   return {"embedded:smollm2": default_model.smollm2_dir,
           "embedded:smollm2_dflash": lambda: default_model.SMOLLM2_DFLASH_DIR,
           "embedded:smollm2_ar_drafter": lambda: default_model.SMOLLM2_AR_DRAFTER_DIR}
@@ -70,7 +70,7 @@ def enable_compilation_cache(config) -> str | None:
   if where == "off":
     return None
   if not where:
-    from cure_jax.default_model import cache_root
+    from cure_jax.runtime.default_model import cache_root
     where = str(cache_root() / "xla")
   Path(where).mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", where)
@@ -80,7 +80,7 @@ def enable_compilation_cache(config) -> str | None:
 
 def mesh_of(config):
   """The device mesh of config.mesh, or None for 1 x 1 (one device, nothing sharded)."""
-  from cure_jax import sharding
+  from cure_jax.runtime import sharding
   mesh = config.get("mesh") or {}
   data, model = int(mesh.get("data", 1)), int(mesh.get("model", 1))
   return None if data == model == 1 else sharding.make_mesh(data, model)
@@ -93,7 +93,7 @@ def _placement(config, path: str, model_config):
   if mesh is None:
     return None
   from convert.checkpoint import read_hf_config
-  from cure_jax import sharding
+  from cure_jax.runtime import sharding
   sharding.check_config(model_config.from_hf(read_hf_config(path)), mesh, f"model at {path}")
   return sharding.placement(mesh)
 
@@ -107,21 +107,34 @@ def load_target(config):
                      placement=_placement(config, config.target.path, ModelConfig))
 
 
-def load_drafter(config, target):
-  """The drafter the method needs (None for ar), checked against the target."""
-  if config.method == "ar":
-    return None
-  if not config.drafter.path:
-    raise ValueError(f"method={config.method!r} needs --config.drafter.path")
-  if config.method == "ar_draft":
-    from convert.qwen3 import load_target
-    from cure_jax.models.qwen3 import ModelConfig
-    return load_target(config.drafter.path, dtype_of(config),
-                       placement=_placement(config, config.drafter.path, ModelConfig))
+def _autoregressive_drafter(config, target):
+  """A small Qwen3/Llama checkpoint, loaded as a target is."""
+  del target
+  from convert.qwen3 import load_target
+  from cure_jax.models.qwen3 import ModelConfig
+  return load_target(config.drafter.path, dtype_of(config),
+                     placement=_placement(config, config.drafter.path, ModelConfig))
+
+
+def _block_drafter(config, target):
+  """A DFlash drafter, checked against the target it borrows embedding and head from."""
   from convert.dflash import load_drafter
   from cure_jax.models.dflash import DFlashConfig
   return load_drafter(config.drafter.path, dtype_of(config), target_cfg=target.cfg,
                       placement=_placement(config, config.drafter.path, DFlashConfig))
+
+
+_DRAFTER_LOADERS = {"autoregressive": _autoregressive_drafter, "block": _block_drafter}
+
+
+def load_drafter(config, target):
+  """The drafter the method needs (None when it needs none), checked against the target."""
+  kind = methods.get(config.method).drafter_kind
+  if kind is None:
+    return None
+  if not config.drafter.path:
+    raise ValueError(f"method={config.method!r} needs --config.drafter.path")
+  return _DRAFTER_LOADERS[kind](config, target)
 
 
 def load_tokenizer(path: str):
@@ -155,14 +168,12 @@ def repair_config(config, block_size: int) -> repair.RepairConfig:
 
 def make_generator(config, target, drafter, stops=(), method: str | None = None) -> Generator:
   method = method or config.method
-  block = int(config.drafter.block_size) or None
-  if method == "ar_draft" and not block:
-    block = int(config.drafter.gamma) + 1
-  if method in DFLASH_METHODS:
-    block = block or drafter.cfg.block_size
+  impl = methods.get(method)
+  block = impl.block_size(drafter, int(config.drafter.block_size) or None,
+                          int(config.drafter.gamma))
   return Generator(target, drafter, method=method, max_new_tokens=int(config.max_new_tokens),
                    stop_ids=() if config.ignore_eos else stops, block_size=block,
-                   cure=repair_config(config, block) if method in TREE_METHODS else None,
+                   cure=repair_config(config, block) if impl.tree_config else None,
                    max_len=int(config.max_len) or None, mesh=mesh_of(config),
                    sampling=Sampling(float(config.temperature), int(config.top_k),
                                      float(config.top_p)), seed=int(config.seed))

@@ -1,0 +1,30 @@
+"""ddtree: a best-first tree from the one DFlash pass's per-depth top-k (no second pass)."""
+
+import jax.numpy as jnp
+
+from cure_jax.methods import block
+from cure_jax.methods.base import Proposal, log_q
+from cure_jax.tree import best_first, repair
+
+
+class DDTree(block.TreeBlockDrafter):
+  name = "ddtree"
+  counted_settings = ("b_max", "topk")
+
+  def max_children(self, spec):
+    return spec.cure.topk
+
+  def propose(self, target, drafter, dcache, spec, key, anchor, lengths, limit, want_tree=None):
+    """The best-first tree over the main draft's per-depth top-k. Every node is placed by rank,
+    so under sampling each is tested as a one-hot q (sampling without replacement from the
+    residual), which is lossless whichever tokens were chosen."""
+    del key, want_tree
+    logits = block.main_logits(target, drafter, dcache, spec, anchor, lengths, limit)
+    logp, tokens = repair.top_k(log_q(spec, logits), spec.cure.topk)        # [B, K-1, k]
+    t = best_first.ddtree(anchor, tokens, logp, limit, v_max=spec.cure.v_max)
+    proposal = Proposal(t, block_margins=repair.margins(logits))
+    if spec.sampling.greedy:
+      return proposal, dcache
+    b, v = t.tokens.shape
+    return proposal.replace(q=jnp.zeros((b, v, logits.shape[-1])),
+                            deterministic=jnp.ones((b, v), bool)), dcache

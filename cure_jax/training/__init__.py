@@ -1,0 +1,9 @@
+"""Training a DFlash drafter for a target from the target's own responses and features.
+
+  data       generates the target's responses and stores their features as shards
+  batches    the training / held-out split, anchors, labels and batch arrays of those shards
+  objective  the training forward pass, the loss and the jitted train and eval steps
+  export     the drafter as a DFlash HF directory, written atomically
+  trainer    the run: config checks, the drafter's start from the target, the optax loop,
+             evaluation and orbax checkpoints
+"""

@@ -1,0 +1,104 @@
+"""The layout is the architecture: imports run one way, from entry points down to models, with
+no circle anywhere, and no source file grows past 500 lines. Read from the source with `ast`."""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("cure_jax", "convert", "experiments", "configs")
+# Lower layers first; a module may import its own layer or one below it. training and analysis
+# sit side by side (one layer).
+LAYERS = (("cure_jax.models",), ("convert",), ("cure_jax.tree",), ("cure_jax.methods",),
+          ("cure_jax.runtime",), ("cure_jax.training", "cure_jax.analysis"), ("experiments",))
+MAX_LINES = 500
+
+
+def _modules(root: Path) -> dict[str, Path]:
+  found = {}
+  for pkg in PACKAGES:
+    for f in (root / pkg).rglob("*.py"):
+      parts = f.relative_to(root).with_suffix("").parts
+      found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+  return found
+
+
+def _imports(path: Path, known) -> set[str]:
+  """Repo modules imported anywhere in the file (function-level imports too)."""
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+    else:
+      continue
+    out.update(n for n in names if n in known)
+  # `from pkg import mod` names pkg too; keep a package only where nothing inside it was named
+  return {m for m in out if not any(o.startswith(m + ".") for o in out)}
+
+
+def _graph(root: Path) -> dict[str, set[str]]:
+  mods = _modules(root)
+  return {m: _imports(f, mods) - {m} for m, f in mods.items()}
+
+
+def _layer(module: str) -> int | None:
+  for i, prefixes in enumerate(LAYERS):
+    if any(module == p or module.startswith(p + ".") for p in prefixes):
+      return i
+  return None
+
+
+def _upward(graph) -> list[str]:
+  return [f"{m} imports {d}" for m, deps in graph.items() for d in deps
+          if None not in (_layer(m), _layer(d)) and _layer(d) > _layer(m)]
+
+
+def _cycles(graph) -> list[list[str]]:
+  state, stack, cycles = {}, [], []
+
+  def visit(m):
+    state[m] = "open"
+    stack.append(m)
+    for d in sorted(graph.get(m, ())):
+      if state.get(d) == "open":
+        cycles.append(stack[stack.index(d):] + [d])
+      elif d not in state:
+        visit(d)
+    stack.pop()
+    state[m] = "done"
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m)
+  return cycles
+
+
+def test_imports_run_down_the_layers():
+  assert not _upward(_graph(REPO))
+
+
+def test_no_import_circles():
+  assert not _cycles(_graph(REPO))
+
+
+def test_the_checks_catch_a_circle_and_an_upward_import(tmp_path):
+  """On a hand-made bad tree both checks fire (they are not vacuous)."""
+  files = {"cure_jax/__init__.py": "", "cure_jax/models/__init__.py": "",
+           "cure_jax/runtime/__init__.py": "", "cure_jax/runtime/loop.py": "",
+           "cure_jax/models/a.py": "from cure_jax.models import b\nfrom cure_jax.runtime import loop\n",
+           "cure_jax/models/b.py": "def f():\n  from cure_jax.models import a\n"}
+  for name, text in files.items():
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text(text)
+  graph = _graph(tmp_path)
+  assert graph["cure_jax.models.a"] == {"cure_jax.models.b", "cure_jax.runtime.loop"}
+  assert _upward(graph) == ["cure_jax.models.a imports cure_jax.runtime.loop"]
+  assert _cycles(graph) == [["cure_jax.models.a", "cure_jax.models.b", "cure_jax.models.a"]]
+
+
+def test_no_source_file_over_500_lines():
+  files = list(_modules(REPO).values()) + list((REPO / "tests").glob("*.py"))
+  long = {str(f.relative_to(REPO)): n for f in files
+          if (n := len(f.read_text().splitlines())) > MAX_LINES}
+  assert not long, long
