@@ -3,6 +3,20 @@
 import ml_collections
 
 
+def process_fields() -> dict:
+  """The mesh's multi-process settings (cure_jax/runtime/distributed.py). Empty / 0 / -1: from
+  the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, as
+  experiments.launch sets them), else JAX's Cloud TPU / SLURM / Open MPI detection."""
+  return dict(
+      distributed=False,            # multi-host (TPU pod): jax.distributed.initialize() first
+      coordinator="",               # host:port of process 0
+      num_processes=0,
+      process_id=-1,
+      timeout_s=300,                # start-up: every process must join within this
+      heartbeat_s=60,               # a process silent this long is dead; the others exit
+  )
+
+
 def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.method = "cure"            # ar | chain | cure | ddtree | hybrid | ar_draft
@@ -23,7 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict(dict(
       data=1,                       # batch split over this many devices
       model=1,                      # tensor parallel: heads, MLP and vocabulary split this ways
-      distributed=False,            # multi-host (TPU pod): jax.distributed.initialize() first
+      **process_fields(),
   ))                                # data * model must equal the device count; 1 x 1: no sharding
   config.temperature = 0.0         # 0: greedy (float32 greedy is token-exact vs target-only)
   config.top_k = 0                  # 0: off

@@ -3,13 +3,17 @@
   python -m experiments.decode --config=configs/qwen3_8b.py --config.method=cure \
     --config.target.path=DIR --config.drafter.path=DIR --config.prompts=FILE.jsonl \
     --config.output=OUT.json
+
+On several hosts (`--config.mesh.distributed=true`, or rehearsed on one machine with
+`python -m experiments.launch`), every process runs this same command; they check that they were
+given the same config and prompts before decoding and hold the same results after; process 0
+reports and writes the output.
 """
 
-import jax
 from absl import app
 from ml_collections import config_flags
 
-from cure_jax.runtime import pipeline, prompts as prompts_lib
+from cure_jax.runtime import distributed, pipeline, prompts as prompts_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file")
@@ -18,7 +22,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
 def main(argv):
   del argv
   config = _CONFIG.value
-  pipeline.init_distributed(config)
+  with distributed.job(config):
+    run(config)
+
+
+def run(config):
   pipeline.enable_compilation_cache(config)
   pipeline.resolve_paths(config)
   target = pipeline.load_target(config)
@@ -29,6 +37,7 @@ def main(argv):
   if config.num_prompts:
     rows = rows[:config.num_prompts]
   ids = prompts_lib.encode(rows, tokenizer, config.chat_template, target.cfg.vocab_size)
+  distributed.agree(dict(distributed.config_fields(config), prompts=ids), "configs or prompts")
   stops = pipeline.stop_ids(config.target.path, tokenizer)
   generator = pipeline.make_generator(config, target, drafter, stops)
   results = pipeline.decode_all(generator, ids, config.batch_size)
@@ -39,7 +48,8 @@ def main(argv):
                                     ids, config.batch_size)
     summary["equal_to_ar"] = sum(r.output_ids == a.output_ids for r, a in zip(results, reference))
     summary["ar_tpot_ms"] = pipeline.summary(reference)["tpot_ms"]
-  if jax.process_index() != 0:  # on a multi-host pod only the first host reports
+  distributed.agree({"results": [r.output_ids for r in results]}, "results")
+  if not distributed.is_writer():  # every process holds the results; the first one reports
     return
   if config.output:
     pipeline.write_json(config.output, dict(config=config.to_dict(), summary=summary,

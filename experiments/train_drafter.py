@@ -29,8 +29,8 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from cure_jax.runtime import distributed, pipeline
 from cure_jax.training import trainer as drafter_training
-from cure_jax.runtime import pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train/smollm2_135m.py",
                                           "ml_collections drafter training config file")
@@ -141,14 +141,15 @@ def main(argv):
   if _STAGE.value == "rebuild":
     rebuild_data(config)
     return
-  pipeline.init_distributed(config)
-  trainer = drafter_training.Trainer(config)
-  if _STAGE.value == "train":
-    trainer.run()
-  elif not config.export.path:
+  if _STAGE.value == "export" and not config.export.path:
     raise app.UsageError("--stage=export needs --config.export.path")
-  else:
-    trainer.export()
+  with distributed.job(config):  # several hosts: config.mesh.distributed (experiments.launch)
+    distributed.agree(distributed.config_fields(config), "configs")
+    trainer = drafter_training.Trainer(config)
+    if _STAGE.value == "train":
+      trainer.run()
+    else:
+      trainer.export()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 import ml_collections
 
+from configs.common import process_fields
+
 
 def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -72,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
   ))
   config.mesh = ml_collections.ConfigDict(dict(
       data=0,                       # data-parallel devices (0: all)
-      distributed=False,            # multi-host: jax.distributed.initialize() first
+      **process_fields(),
   ))
   config.measure = ml_collections.ConfigDict(dict(
       drafter="",                   # DFlash directory to measure (default: export.path)

@@ -162,7 +162,7 @@ class Generator:
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = dec(self.params, state)
-    state = sharding.to_host(state.replace(cache=None, dcache=None))  # caches stay on device
+    state = sharding.to_host(state.replace(cache=None, dcache=None, key=None))  # results only
     decode_s = time.perf_counter() - t0
     return [self._unpack(state, i, decode_s) for i in range(count)]
 

@@ -53,14 +53,6 @@ def resolve_paths(config) -> None:
     section.path = resolve_path(section.path)
 
 
-def init_distributed(config) -> None:
-  """jax.distributed.initialize() when config.mesh.distributed (multi-host runs, e.g. a TPU pod
-  slice); must run before anything touches a device."""
-  if (config.get("mesh") or {}).get("distributed", False):
-    import jax
-    jax.distributed.initialize()
-
-
 def enable_compilation_cache(config) -> str | None:
   """Turns on JAX's persistent compilation cache, so a second run of the same command loads its
   compiled programs instead of compiling again. config.compilation_cache: a folder, "" for

@@ -198,7 +198,9 @@ def put_key(key: jax.Array, mesh: Mesh) -> jax.Array:
 def to_host(tree):
   """device_get that also works for arrays spread over several processes (multi-host)."""
   def get(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return jax.device_get(x)
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return jax.device_get(x)
+    if x.is_fully_replicated:  # this process already holds all of it
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return jax.tree.map(get, tree)

@@ -216,24 +216,30 @@ class Trainer:
         NamedSharding(self.mesh, P(sharding.DATA, *(None,) * (v.ndim - 1))), v)
         for k, v in batch.items()}
 
-  def batch(self, step: int) -> dict:
-    """This process's rows of batch `step` (a function of seed, process and step only)."""
+  def batch(self, step: int, process: int | None = None, processes: int | None = None) -> dict:
+    """The rows of batch `step` that process `process` of `processes` (default: this one of
+    this job) builds: a function of seed, process and step only."""
     t, m = self.config.train, self.config.model
-    rng = np.random.default_rng([t.seed, jax.process_index(), step])
-    return self.data.train_batch(t.seqs_per_step // jax.process_count(), t.anchors_per_seq,
+    process = jax.process_index() if process is None else process
+    processes = jax.process_count() if processes is None else processes
+    rng = np.random.default_rng([t.seed, process, step])
+    return self.data.train_batch(t.seqs_per_step // processes, t.anchors_per_seq,
                                  m.block_size, m.mask_token_id, self.config.data.prompt_anchor_frac,
                                  rng)
 
-  def take_step(self) -> dict:
-    """One training step; the next step's batch is built while this one runs."""
-    step = self.step
-    batch = self._next[1] if self._next and self._next[0] == step else self.batch(step)
+  def take_step(self, batch: dict | None = None) -> dict:
+    """One training step on this process's rows of `batch` (default: its rows of batch
+    `step`, built while the previous step ran)."""
+    step, t0 = self.step, time.perf_counter()
+    if batch is None:
+      batch = self._next[1] if self._next and self._next[0] == step else self.batch(step)
     self.state, metrics = train_step(self.graphdef, self.hyper, self.state, self.embed,
                                      self.train_head, self.remap, self.weights, self._put(batch))
     self._next = (step + 1, self.batch(step + 1))
     metrics = jax.device_get(metrics)
     row = dict(step=step + 1, loss=float(metrics["loss"]), lr=float(self.hyper.schedule(step)),
-               train_acc=(metrics["correct"] / np.maximum(metrics["count"], 1)).tolist())
+               train_acc=(metrics["correct"] / np.maximum(metrics["count"], 1)).tolist(),
+               step_s=time.perf_counter() - t0)  # wall time, the next batch's rows included
     self.history.append(row)
     return row
 
@@ -284,7 +290,7 @@ class Trainer:
       if step % c.train.log_every == 0:
         acc = np.round(row["train_acc"][:4], 3).tolist()
         _log(f"step {step} loss {row['loss']:.4f} lr {row['lr']:.2e} train acc pos1-4 {acc} | "
-             f"{(time.time() - t0) / 60:.1f} min")
+             f"{(time.time() - t0) / 60:.1f} min, this step {row['step_s']:.2f} s")
       if c.eval.every and (step % c.eval.every == 0 or step == c.train.steps):
         self.evaluate()
       if step % c.checkpoint.every == 0 or step == last or out_of_time:
