@@ -35,7 +35,7 @@ from ml_collections import config_flags
 
 from convert import dflash as convert_dflash, qwen3 as convert_qwen3
 from convert.checkpoint import read_hf_config
-from cure_jax.runtime import decoding, pipeline, sharding
+from cure_jax.runtime import decoding, errors, pipeline, sharding
 from cure_jax.models.cache import KVCache
 from cure_jax.runtime.generation import decoding_spec
 from experiments import hlo_traffic, report
@@ -378,4 +378,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

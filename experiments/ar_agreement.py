@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from cure_jax.runtime import pipeline, prompts as prompts_lib
+from cure_jax.runtime import errors, pipeline, prompts as prompts_lib
 from experiments import report
 from experiments.bench import common_prefix
 
@@ -121,4 +121,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from cure_jax.runtime import pipeline
+from cure_jax.runtime import errors, pipeline
 from cure_jax.runtime.generation import Generator
 
 _TARGET = flags.DEFINE_string("target", "random", "'random', 'embedded:smollm2' or an HF directory")
@@ -76,4 +76,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

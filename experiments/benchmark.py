@@ -24,7 +24,7 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from cure_jax.runtime import pipeline, prompts as prompts_lib
+from cure_jax.runtime import errors, pipeline, prompts as prompts_lib
 from experiments import table4, table_sweep, tables
 from experiments.bench import Bench
 
@@ -115,4 +115,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

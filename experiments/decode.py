@@ -13,7 +13,7 @@ reports and writes the output.
 from absl import app
 from ml_collections import config_flags
 
-from cure_jax.runtime import distributed, pipeline, prompts as prompts_lib
+from cure_jax.runtime import distributed, errors, pipeline, prompts as prompts_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file")
@@ -64,4 +64,4 @@ def run(config):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

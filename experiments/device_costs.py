@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from cure_jax.runtime import pipeline
+from cure_jax.runtime import errors, pipeline
 from cure_jax.tree import repair
 from cure_jax.runtime.generation import Generator
 from cure_jax.models.dflash import DFlash, DFlashConfig
@@ -116,4 +116,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

@@ -22,7 +22,7 @@ import warnings
 
 from absl import app, flags
 
-from cure_jax.runtime import pipeline, prompts as prompts_lib
+from cure_jax.runtime import errors, pipeline, prompts as prompts_lib
 
 EVAL_HUMANEVAL = 64  # HumanEval problems 0..63 are evaluation problems: never trained on
 
@@ -220,4 +220,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

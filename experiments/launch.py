@@ -23,6 +23,8 @@ import time
 
 from absl import app, flags
 
+from cure_jax.runtime import errors
+
 _PROCESSES = flags.DEFINE_integer("processes", 2, "number of processes (hosts) to start")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "fake CPU devices per process; 0: "
                                 "leave the platform alone (real accelerators)")
@@ -118,4 +120,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

@@ -16,7 +16,7 @@ import json
 
 from absl import app, flags
 
-from cure_jax.runtime import pipeline
+from cure_jax.runtime import errors, pipeline
 from experiments import report
 
 _TPU = flags.DEFINE_list("tpu", [], "aot JSON files of TPU compiles (per-chip counts)")
@@ -145,4 +145,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

@@ -11,7 +11,7 @@ import json
 import numpy as np
 from absl import app, flags
 
-from cure_jax.runtime import pipeline
+from cure_jax.runtime import errors, pipeline
 from cure_jax.tree import repair
 from cure_jax.runtime.generation import Generator
 from cure_jax.analysis import random_models
@@ -57,4 +57,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

@@ -32,7 +32,7 @@ from absl import app, flags
 from flax import nnx
 
 from convert import checkpoint, qwen3 as convert_qwen3
-from cure_jax.runtime import default_model
+from cure_jax.runtime import default_model, errors
 from cure_jax.training import data as drafter_data
 from cure_jax.training.batches import Data
 from cure_jax.models.qwen3 import Qwen3
@@ -277,4 +277,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

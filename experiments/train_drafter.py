@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from cure_jax.runtime import distributed, pipeline
+from cure_jax.runtime import distributed, errors, pipeline
 from cure_jax.training import trainer as drafter_training
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train/smollm2_135m.py",
@@ -153,4 +153,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(errors.cli(main))

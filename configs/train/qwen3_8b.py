@@ -17,7 +17,7 @@ from configs.train import common
 
 def get_config():
   config = common.base_config()
-  config.target.path = "/ckpt/Qwen3-8B"
+  config.target.path = "Qwen/Qwen3-8B"     # Hub id (fetched once) or a local directory
   config.target.dtype = "bfloat16"
   config.data.folders = ("/data/dflash/host{process}",)
   config.data.eval_seqs = 32               # per host: 512 held-out sequences in all

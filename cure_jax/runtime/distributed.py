@@ -31,6 +31,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from cure_jax.runtime import errors
+
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"   # host:port of process 0's coordination service
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
@@ -194,7 +196,7 @@ def job(config, environ=os.environ):
       raise
     watchdog.stopped.set()
     watchdog.mark("failed")
-    if not isinstance(e, SystemExit):
+    if not isinstance(e, (SystemExit, *errors.USER_ERRORS)):  # those say what to fix in a line
       traceback.print_exc()
     why = str(e).splitlines()[0] if str(e) else type(e).__name__
     cause = watchdog.culprit() if isinstance(e, jax.errors.JaxRuntimeError) else None

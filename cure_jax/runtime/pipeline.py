@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cure_jax import methods
+from cure_jax.runtime import hub
 from cure_jax.runtime.generation import Generator, Result
 from cure_jax.tree import repair
 from cure_jax.tree.sampling import Sampling
@@ -37,9 +38,15 @@ def _embedded() -> dict:
 
 
 def resolve_path(path: str) -> str:
-  """An `embedded:NAME` path -> the packaged model folder (converting on first use); any other
-  path as it is."""
+  """An `embedded:NAME` path -> the packaged model folder (converting on first use); a Hugging
+  Face Hub id (`Qwen/Qwen3-8B`) -> its snapshot in the Hub cache (fetched once); a local path as
+  it is."""
+  if hub.is_hub_id(path):
+    return hub.fetch(path)
   if not path.startswith("embedded:"):
+    if path and not Path(path).exists():
+      raise FileNotFoundError(f"{path} does not exist: pass a local HF directory or converted "
+                              "checkpoint, or a Hugging Face Hub id such as Qwen/Qwen3-8B")
     return path
   embedded = _embedded()
   if path not in embedded:
@@ -48,9 +55,11 @@ def resolve_path(path: str) -> str:
 
 
 def resolve_paths(config) -> None:
-  """Replaces `embedded:NAME` paths by the packaged model folders (converting on first use)."""
-  for section in (config.target, config.drafter):
-    section.path = resolve_path(section.path)
+  """Replaces `embedded:NAME` paths and Hub ids by local folders (resolve_path); the drafter's
+  only where the method uses one."""
+  config.target.path = resolve_path(config.target.path)
+  if methods.get(config.method).drafter_kind and config.drafter.path:
+    config.drafter.path = resolve_path(config.drafter.path)
 
 
 def enable_compilation_cache(config) -> str | None:
