@@ -22,8 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
+
+# The CUDA plugin (jax[cuda12], for compile-only GPU topologies) refuses to load without a driver
+# unless told not to check; it must be told before jax starts.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +41,11 @@ from ml_collections import config_flags
 
 from convert import dflash as convert_dflash, qwen3 as convert_qwen3
 from convert.checkpoint import read_hf_config
+from cure_jax import methods
 from cure_jax.runtime import decoding, errors, pipeline, sharding
 from cure_jax.models.cache import KVCache
 from cure_jax.runtime.generation import decoding_spec
-from experiments import hlo_traffic, report
+from experiments import gpu_launches, gpu_targets, hlo_traffic, report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_8b.py",
                                           "decoding config (dtype, mesh, cure settings)")
@@ -61,16 +68,19 @@ _DUMP_HLO = flags.DEFINE_string("dump_hlo", "", "folder: also write each optimiz
 _RECOUNT = flags.DEFINE_bool("recount", False, "compile nothing: recount the HLO modules a run "
                              "dumped into --dump_hlo and rewrite its --output report")
 
-METHODS = ("ar", "chain", "cure")
+METHODS = ("ar", "chain", "cure", "ddtree", "hybrid")
 PROGRAMS = ("prefill", "decode", "forward")
 
 
 # --- devices and models ------------------------------------------------------------------------
 
 def topology_devices(name: str) -> list:
-  """Compile-only devices of a TPU topology, or the CPU backend's devices for 'cpu'."""
+  """Compile-only devices of a TPU topology or of NVIDIA GPUs (gpu_targets: 'h100', 'h100:8'),
+  or the CPU backend's devices for 'cpu'."""
   if name == "cpu":
     return jax.devices("cpu")
+  if gpu_targets.parse(name):
+    return gpu_targets.devices(name)
   try:
     import libtpu  # noqa: F401  (jax finds the TPU compiler through this package)
   except ImportError as e:
@@ -82,8 +92,8 @@ def topology_devices(name: str) -> list:
     return list(topologies.get_topology_desc(name, "tpu").devices)
   except Exception as e:  # libtpu's messages do not name the valid choices
     raise ValueError(f"unknown TPU topology {name!r} ({type(e).__name__}: {e}); use "
-                     "<generation>:<chips>, e.g. v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1, or 'cpu'"
-                     ) from e
+                     "<generation>:<chips>, e.g. v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1, a GPU "
+                     f"({', '.join(gpu_targets.GPUS)}, e.g. h100 or h100:8), or 'cpu'") from e
 
 
 def abstract_pair(target_dir: str, drafter_dir: str | None, dtype):
@@ -107,17 +117,17 @@ class Case:
 
   @property
   def name(self) -> str:
-    v = f"/v{self.v_max}" if self.method == "cure" else ""
+    v = f"/v{self.v_max}" if methods.get(self.method).tree_config else ""
     return f"{self.program}/{self.method}{v}/b{self.batch}"
 
 
-def cases(programs, methods, v_maxes, batches) -> list[Case]:
+def cases(programs, method_names, v_maxes, batches) -> list[Case]:
   out = []
   for b in batches:
     if "forward" in programs:
       out.append(Case("forward", "ar", b))
-    for m in methods:
-      for v in (v_maxes if m == "cure" else [0]):
+    for m in method_names:
+      for v in (v_maxes if methods.get(m).tree_config else [0]):
         out += [Case(p, m, b, v) for p in ("prefill", "decode") if p in programs]
   return out
 
@@ -190,9 +200,10 @@ def lower_case(case: Case, graphdef, params, config, mesh, drafter):
   """The lowered program of one case."""
   if case.program == "forward":
     return forward_program(graphdef, params, case.batch, _MAX_LEN.value, mesh)
-  k = drafter.cfg.block_size if case.method in ("chain", "cure") else 1
+  impl = methods.get(case.method)
+  k = drafter.cfg.block_size if impl.drafter_kind == "block" else 1
   cure = None
-  if case.method == "cure":
+  if impl.tree_config:
     cure = dataclasses.replace(pipeline.repair_config(config, k), v_max=case.v_max)
     cure.validate(k)
   new_tokens = _MAX_LEN.value - _PROMPT.value
@@ -201,7 +212,26 @@ def lower_case(case: Case, graphdef, params, config, mesh, drafter):
   return pre if case.program == "prefill" else dec
 
 
-def analyse(case: Case, lowered, weights: dict[str, float]) -> dict:
+def gpu_dump_dir(topology: str) -> str | None:
+  """For a GPU topology: a folder XLA dumps the decode / prefill modules into (their thunk
+  sequences say what the GPU runtime launches; gpu_launches). Must run before jax starts."""
+  if not gpu_targets.parse(topology):
+    return None
+  where = tempfile.mkdtemp(prefix="cure_jax_gpu_dump_")
+  flags = f"--xla_dump_to={where} --xla_dump_hlo_module_re=jit_(run|start)"
+  os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
+  return where
+
+
+def launch_counts(dump: str, program: str) -> dict | None:
+  """Kernels and launches of the module just compiled for `program` (its newest thunk dump)."""
+  module = "jit_start" if program == "prefill" else "jit_run"
+  found = sorted(Path(dump).glob(f"*.{module}.thunk_sequence_after_thunk_passes.txt"),
+                 key=lambda p: p.stat().st_mtime)
+  return gpu_launches.count(found[-1].read_text()) if found else None
+
+
+def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = None) -> dict:
   """Compile one lowered program and read its costs."""
   t0 = time.perf_counter()
   compiled = lowered.compile()
@@ -222,6 +252,8 @@ def analyse(case: Case, lowered, weights: dict[str, float]) -> dict:
              xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), weights=weights)
   if case.program == "decode":  # its output is the state: donation works when it aliases
     rec["donated_state_aliased"] = bool(mem.alias_size_in_bytes >= 0.9 * mem.output_size_in_bytes)
+  if dump and case.program != "forward":
+    rec["gpu_launches"] = launch_counts(dump, case.program)
   return traffic_record(rec, text, labels)
 
 
@@ -232,7 +264,7 @@ def traffic_bounds(case: Case, loop: dict, w: dict[str, float]) -> dict:
   target_min = w["target"] + w["target_kv"]
   out = dict(per_chip_weights=w["target"], target_kv=w["target_kv"],
              hbm_over_weights=hbm / w["target"], hbm_over_weights_and_kv=hbm / target_min)
-  if case.method in ("chain", "cure"):
+  if methods.get(case.method).drafter_kind == "block":
     chain_min = target_min + w["drafter"] + w["lm_head"] + w["drafter_kv"]
     out.update(chain_minimum=chain_min, hbm_over_chain_minimum=hbm / chain_min)
   return out
@@ -264,6 +296,14 @@ def _gb(x) -> str:
   return "" if x is None else f"{x / 1e9:.2f}"
 
 
+def _launches(rec: dict) -> str:
+  """Kernels per iteration: GPU thunks (host launches), else the Pallas / Mosaic TPU kernels."""
+  gpu = (rec.get("gpu_launches") or {}).get("iteration")
+  if gpu:
+    return f"{gpu['kernels']} ({gpu['launches']})"
+  return str(rec["iteration"].get("kernels", 0))
+
+
 def markdown(meta: dict, records: list[dict]) -> str:
   lines = [f"# AOT compile: {meta['target']} + {meta['drafter']} on {meta['topology']}",
            "", f"mesh data={meta['mesh'][0]} model={meta['mesh'][1]}, dtype {meta['dtype']}, "
@@ -281,14 +321,14 @@ def markdown(meta: dict, records: list[dict]) -> str:
     rows.append([r["case"], r["compile_s"], _gb(r["argument_bytes"]), _gb(r["temp_bytes"]),
                  _gb(r["output_bytes"]), str(r.get("donated_state_aliased", "")),
                  ", ".join(f"{k} {v}" for k, v in it["collectives"].items()) or "0",
-                 it["fusions"], it.get("kernels", 0), f"{r['xla_flops'] / 1e9:.1f}",
+                 it["fusions"], _launches(r), f"{r['xla_flops'] / 1e9:.1f}",
                  _gb(r["xla_bytes_accessed"]),
                  _gb(it["hbm_bytes"]), _gb(weights), _gb(it["on_chip_bytes_skipped"]),
                  f"{b['hbm_over_weights_and_kv']:.3f}",
                  f"{b['hbm_over_chain_minimum']:.3f}" if "hbm_over_chain_minimum" in b else ""])
   lines.append(report.md_table(
       ["program", "compile s", "args GB", "temp GB", "out GB", "state aliased", "collectives",
-       "fusions", "kernels", "XLA GFLOP", "XLA GB", "HBM GB", "of which weights", "on-chip GB skipped",
+       "fusions", "kernels (launches)", "XLA GFLOP", "XLA GB", "HBM GB", "of which weights", "on-chip GB skipped",
        "HBM / (W + KV)", "HBM / chain min"], rows))
   lines += ["", "Per iteration of the decode loop (one pass of prefill / forward). XLA's figures "
             "are its cost analysis of the whole module; HBM GB counts the HBM side of each "
@@ -329,8 +369,8 @@ def main(argv):
   if _RECOUNT.value:
     return recount(_OUTPUT.value, _DUMP_HLO.value)
   config = _CONFIG.value
-  methods = [m.strip() for m in _METHODS.value]
-  bad = [m for m in methods if m not in METHODS]
+  names = [m.strip() for m in _METHODS.value]
+  bad = [m for m in names if m not in METHODS]
   if bad:
     raise app.UsageError(f"--methods: unknown {bad}; choose from {METHODS}")
   programs = [p.strip() for p in _PROGRAMS.value]
@@ -347,9 +387,10 @@ def main(argv):
   if _TOPOLOGY.value == "cpu" and config.dtype == "bfloat16":
     print("note: the CPU backend upcasts bf16 weights (temporaries of the model's size); CPU "
           "figures are meaningful in float32 (--config.dtype=float32)")
+  dump = gpu_dump_dir(_TOPOLOGY.value)
   devices = topology_devices(_TOPOLOGY.value)
   mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)
-  needs_drafter = any(m != "ar" for m in methods)
+  needs_drafter = any(m != "ar" for m in names)
   target, drafter = abstract_pair(_TARGET.value, _DRAFTER.value if needs_drafter else None, dtype)
   sharding.check_models(mesh, target, drafter)
   for b in batches:
@@ -362,10 +403,10 @@ def main(argv):
               mesh=[int(mesh.shape["data"]), int(mesh.shape["model"])], dtype=config.dtype,
               max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__)
   records = []
-  for case in cases(programs, methods, v_maxes, batches):
+  for case in cases(programs, names, v_maxes, batches):
     meta["weights"] = weight_bytes(target, drafter, mesh, case.batch, _MAX_LEN.value)
     lowered = lower_case(case, graphdef, params, config, mesh, drafter)
-    rec = analyse(case, lowered, meta["weights"])
+    rec = analyse(case, lowered, meta["weights"], dump)
     records.append(rec)
     it = rec["iteration"]
     print(f"{case.name}: compile {rec['compile_s']:.1f} s, HBM {it['hbm_bytes'] / 1e9:.2f} GB "

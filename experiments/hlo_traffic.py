@@ -20,6 +20,16 @@ whole operand even when the fusion only slices it. This module reads the optimiz
 
 A while loop's body is one iteration (a nested loop counts its known trip count, else once).
 Bytes are logical (no tile padding), per device: an SPMD program is one device's program.
+
+On a GPU the same rules hold, with two more:
+
+- a cuBLAS call (`__cublas$...` custom-call) returns its workspace beside its result, a 1-D s8
+  scratch buffer of up to tens of MB that it need not touch; it is not counted;
+- the L2 cache (50 MB on an H100) is not modelled: an operand re-read by a later op counts
+  again even if it would still be in L2, so the count is an upper bound of HBM traffic.
+
+Kernels and host launches per iteration on a GPU come from XLA's thunk sequence instead
+(experiments/gpu_launches.py): command buffers (CUDA graphs) are formed after the HLO passes.
 """
 
 from __future__ import annotations
@@ -430,7 +440,11 @@ class _Counter:
       return ([(self._label(labels, o), hbm(shape(o))) for o in ins.operands[1:]] +
               [(self._label(labels, ins.operands[0]), n)])
     out = [(self._label(labels, o), hbm(shape(o))) for o in dict.fromkeys(ins.operands)]
-    return out + [(ACTIVATION, hbm(_arrays(ins.shape)))]
+    result = _arrays(ins.shape)
+    if op == "custom-call" and 'custom_call_target="__cublas' in ins.attrs and (
+        isinstance(ins.shape, list) and result[-1].dtype == "s8" and len(result[-1].dims) == 1):
+      result = result[:-1]                               # the workspace: scratch, not traffic
+    return out + [(ACTIVATION, hbm(result))]
 
 
 def count(hlo_text: str, param_labels: dict[int, str] | None = None) -> dict:

@@ -98,3 +98,22 @@ def test_a_tpu_kernel_counts_its_operands_and_result():
 def test_bad_text_is_rejected():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo_traffic.count("HloModule m\n")
+
+
+CUBLAS_HLO = """HloModule g, entry_computation_layout={(bf16[256,512]{1,0}, bf16[4,256]{1,0})->bf16[4,512]{1,0}}
+
+ENTRY %main (w: bf16[256,512], x: bf16[4,256]) -> bf16[4,512] {
+  %w = bf16[256,512]{1,0} parameter(0)
+  %x = bf16[4,256]{1,0} parameter(1)
+  %mm = (bf16[4,512]{1,0}, s8[4194304]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul"
+  ROOT %r = bf16[4,512]{1,0} get-tuple-element(%mm), index=0
+}
+"""
+
+
+def test_a_cublas_call_counts_operands_and_result_but_not_its_workspace():
+  """GPU rule: the s8 workspace cuBLAS returns beside its result is scratch (4 MB here, more
+  than the whole matmul moves)."""
+  out = hlo_traffic.count(CUBLAS_HLO, {0: "w", 1: "x"})["program"]
+  assert out["by_label"] == {"w": 256 * 512 * 2, "x": 4 * 256 * 2, "activation": 4 * 512 * 2}
+  assert out["hbm_bytes"] < 4194304
