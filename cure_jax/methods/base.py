@@ -74,11 +74,11 @@ class Proposal:
 @struct.dataclass
 class Verified:
   """What a commit keeps of the target's pass over the tree, gathered to K rows: keys/values
-  [L, B, K, KVH, D] along the winning path and the features the drafter resyncs on
+  (L x [B, K, KVH, D]) along the winning path and the features the drafter resyncs on
   [B, K, n*H] (None without a block drafter)."""
 
-  k: jax.Array
-  v: jax.Array
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
   features: jax.Array | None
 
 

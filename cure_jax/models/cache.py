@@ -40,20 +40,22 @@ class KVCache:
     return jnp.arange(self.max_len)[None, :] < self.lengths[:, None]
 
   def write(self, k_new, v_new, slots) -> "KVCache":
-    """Scatters k_new/v_new [L, B, T, KVH, D] into slots [B, T]; slots >= max_len are dropped."""
+    """Scatters k_new/v_new (L x [B, T, KVH, D]) into slots [B, T]; slots >= max_len are
+    dropped. Layer by layer: a stacked [L, ...] input would be one buffer that every layer's
+    scatter reads whole (XLA fuses the stacking into each; on a GPU 2 GB an iteration)."""
     batch = jnp.arange(slots.shape[0])[:, None, None]               # [B, 1, 1]
     heads = jnp.arange(self.k[0].shape[1])[None, :, None]           # [1, KVH, 1]
     at = (batch, heads, slots[:, None, :])                          # a layer's [B, KVH, T]
 
-    def put(cache, new):
-      new = new.swapaxes(2, 3)                                      # [L, B, KVH, T, D]
-      return tuple(c.at[at].set(n.astype(c.dtype), mode="drop") for c, n in zip(cache, new))
+    def put(cache, new):                                            # new: L x [B, T, KVH, D]
+      return tuple(c.at[at].set(n.swapaxes(1, 2).astype(c.dtype), mode="drop")
+                   for c, n in zip(cache, new))
 
     return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
 
   def append(self, k_new, v_new, count) -> "KVCache":
     """Commits the first count[b] of T new tokens after each sequence's current length."""
-    t = k_new.shape[2]
+    t = k_new[0].shape[1]
     offs = jnp.arange(t)[None, :]                                    # [1, T]
     slots = jnp.where(offs < count[:, None], self.lengths[:, None] + offs, self.max_len)
     cache = self.write(k_new, v_new, slots)
@@ -61,5 +63,5 @@ class KVCache:
 
 
 def take_tokens(x, index):
-  """Gathers x [L, B, T, ...] along T with index [B, K] -> [L, B, K, ...]."""
-  return jax.vmap(lambda xb, ib: xb[:, ib], in_axes=(1, 0), out_axes=1)(x, index)
+  """Gathers each layer of x (L x [B, T, ...]) along T with index [B, K] -> L x [B, K, ...]."""
+  return tuple(jax.vmap(lambda xb, ib: xb[ib])(layer, index) for layer in x)

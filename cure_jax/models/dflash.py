@@ -168,10 +168,10 @@ class DFlash(nnx.Module):
     return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
 
   def context_kv(self, features, positions):
-    """Target features [B, T, n*H] of verified tokens -> per-layer context k, v [L, B, T, KVH, D]."""
+    """Target features [B, T, n*H] of verified tokens -> context k, v (L x [B, T, KVH, D])."""
     c = self.hidden_norm(self.fc(features.astype(self.dtype)))
     kvs = [layer.self_attn.kv(c, positions) for layer in self.layers]
-    return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
+    return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
 
   def __call__(self, block_embeds, positions, cache: KVCache, block_len):
     """Drafts blocks that share one context.

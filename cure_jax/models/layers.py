@@ -12,7 +12,9 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from cure_jax.models.axes import DATA, MODEL
 from cure_jax.models.kernels import tpu_attention
 
 
@@ -101,6 +103,30 @@ def rope_from_hf(config: dict, head_dim: int) -> Rope:
       high_freq_factor=float(params.get("high_freq_factor", 4.0)),
       original_max_position=int(params.get("original_max_position_embeddings", 8192)),
   )
+
+
+def embed_lookup(table, tokens):
+  """Rows of an embedding table [V, H] for tokens [B, ...] -> [B, ..., H].
+
+  Under a mesh whose `model` axis splits the vocabulary (the runtime's partition rules), each
+  shard looks the tokens up in its own rows, zeros the rest, and a sum over `model` adds the
+  shards' rows (Megatron's vocabulary-parallel embedding): one [B, ..., H] all-reduce. Left to
+  itself, XLA's GPU partitioner all-gathers the whole table instead, every iteration (1.2 GB
+  for Qwen3-8B at 8-way tensor parallelism).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.shape.get(MODEL, 1) == 1:
+    return table[tokens]
+
+  def local(rows, ids):                          # rows [V / model, H], ids [B / data, ...]
+    ids = ids - jax.lax.axis_index(MODEL) * rows.shape[0]
+    mine = (ids >= 0) & (ids < rows.shape[0])
+    out = jnp.where(mine[..., None], rows[jnp.clip(ids, 0, rows.shape[0] - 1)], 0)
+    return jax.lax.psum(out, MODEL)
+
+  batch = P(DATA) if DATA in mesh.shape else P()
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(MODEL, None), batch), out_specs=batch,
+                       check_vma=False)(table, tokens)
 
 
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = True):

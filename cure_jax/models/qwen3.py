@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cure_jax.models.cache import KVCache
-from cure_jax.models.layers import RMSNorm, Rope, SwiGLU, attend, linear, rope_from_hf
+from cure_jax.models.layers import (RMSNorm, Rope, SwiGLU, attend, embed_lookup, linear,
+                                    rope_from_hf)
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 
@@ -111,8 +112,8 @@ class DecoderLayer(nnx.Module):
 
 class Output(NamedTuple):
   hidden: jax.Array           # [B, T, H] after the final norm
-  k: jax.Array                # [L, B, T, KVH, D] keys of the new tokens (not yet committed)
-  v: jax.Array                # [L, B, T, KVH, D]
+  k: tuple[jax.Array, ...]    # L x [B, T, KVH, D] keys of the new tokens (not yet committed)
+  v: tuple[jax.Array, ...]    # L x [B, T, KVH, D]
   features: jax.Array | None  # [B, T, n * H] chosen hidden states, concatenated in order
 
 
@@ -131,7 +132,7 @@ class Qwen3(nnx.Module):
       self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
 
   def embed(self, tokens):
-    return self.embed_tokens(tokens)
+    return embed_lookup(self.embed_tokens.embedding[...], tokens)
 
   def logits(self, hidden):
     """Float32 logits [..., V] from final hidden states [..., H]."""
@@ -158,7 +159,7 @@ class Qwen3(nnx.Module):
     states[self.cfg.num_layers] = hidden
     features = (jnp.concatenate([states[i] for i in feature_layers], axis=-1)
                 if feature_layers else None)
-    return Output(hidden, jnp.stack(ks), jnp.stack(vs), features)
+    return Output(hidden, tuple(ks), tuple(vs), features)
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     cfg = self.cfg

@@ -33,7 +33,8 @@ def train_forward(drafter: DFlash, embed, features, blocks, anchors):
   b, t, _ = features.shape
   a, k = blocks.shape[1:]
   ck, cv = drafter.context_kv(features, jnp.broadcast_to(jnp.arange(t), (b, t)))
-  ck, cv = ck.swapaxes(2, 3), cv.swapaxes(2, 3)                         # [L, B, KVH, T, D]
+  ck = [x.swapaxes(1, 2) for x in ck]                                  # L x [B, KVH, T, D]
+  cv = [x.swapaxes(1, 2) for x in cv]
   pos = anchors[..., None] + jnp.arange(k)                              # [B, A, K]
   ctx_mask = jnp.arange(t)[None, None, None, :] < anchors[:, :, None, None]   # [B, A, 1, T]
   ctx_mask = jnp.broadcast_to(ctx_mask, (b, a, k, t))
