@@ -212,11 +212,14 @@ def lower_case(case: Case, graphdef, params, config, mesh, drafter):
   return pre if case.program == "prefill" else dec
 
 
-def gpu_dump_dir(topology: str) -> str | None:
+def gpu_setup(topology: str) -> str | None:
   """For a GPU topology: a folder XLA dumps the decode / prefill modules into (their thunk
-  sequences say what the GPU runtime launches; gpu_launches). Must run before jax starts."""
+  sequences say what the GPU runtime launches; gpu_launches), and the host backend kept to the
+  CPU (a libtpu beside jax[cuda12] would otherwise be started, and locked). Must run before
+  jax starts."""
   if not gpu_targets.parse(topology):
     return None
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   where = tempfile.mkdtemp(prefix="cure_jax_gpu_dump_")
   flags = f"--xla_dump_to={where} --xla_dump_hlo_module_re=jit_(run|start)"
   os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
@@ -387,7 +390,7 @@ def main(argv):
   if _TOPOLOGY.value == "cpu" and config.dtype == "bfloat16":
     print("note: the CPU backend upcasts bf16 weights (temporaries of the model's size); CPU "
           "figures are meaningful in float32 (--config.dtype=float32)")
-  dump = gpu_dump_dir(_TOPOLOGY.value)
+  dump = gpu_setup(_TOPOLOGY.value)
   devices = topology_devices(_TOPOLOGY.value)
   mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)
   needs_drafter = any(m != "ar" for m in names)

@@ -10,10 +10,17 @@ given the same config and prompts before decoding and hold the same results afte
 reports and writes the output.
 """
 
+import json
+from pathlib import Path
+
 from absl import app
 from ml_collections import config_flags
 
 from cure_jax.runtime import distributed, errors, pipeline, prompts as prompts_lib
+from experiments import roofline
+
+# Qwen3-8B + DFlash-b16 compiled for an H100 (experiments.aot; WORKSPACE.md, session 12)
+GPU_COUNTS = Path(__file__).resolve().parents[1] / "results" / "aot_gpu" / "h100_b1.json"
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file")
@@ -49,6 +56,9 @@ def run(config):
     summary["equal_to_ar"] = sum(r.output_ids == a.output_ids for r, a in zip(results, reference))
     summary["ar_tpot_ms"] = pipeline.summary(reference)["tpot_ms"]
   distributed.agree({"results": [r.output_ids for r in results]}, "results")
+  projected = gpu_projection(config.method, summary["tau"])
+  if projected:
+    summary["projected_h200_qwen3_8b"] = projected
   if not distributed.is_writer():  # every process holds the results; the first one reports
     return
   if config.output:
@@ -60,7 +70,25 @@ def run(config):
     print(row["text"])
     print("-" * 40)
   print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                 for k, v in summary.items()))
+                 for k, v in summary.items() if k != "projected_h200_qwen3_8b"))
+  if projected:
+    print(f"projection, not a measurement: Qwen3-8B + DFlash-b16 on an H200 at this τ "
+          f"({summary['tau']:.3f}), {config.method}: {projected['tpot_ms']:.2f} ms per token, "
+          f"{projected['speedup']:.2f}x target-only (roofline of the compiled program's counts, "
+          f"{GPU_COUNTS.relative_to(GPU_COUNTS.parents[2])})")
+
+
+def gpu_projection(method: str, tau: float) -> dict | None:
+  """TPOT and speedup over target-only that the committed GPU counts project for Qwen3-8B on
+  an H200 at τ (batch 1); None without counts for the method."""
+  if not GPU_COUNTS.is_file():
+    return None
+  records = roofline.decode_records(json.loads(GPU_COUNTS.read_text()))
+  rows = roofline.project(records, ["H200"], 1.0, {"measured": {"ar": 1.0, method: tau}},
+                          launch_us=roofline.LAUNCH_US)
+  row = next((r for r in rows if r["method"] == method and r["batch"] == 1), None)
+  return None if row is None else dict(tpot_ms=row["tpot_ms"], speedup=row["speedup"],
+                                       iteration_ms=row["iteration_ms"])
 
 
 if __name__ == "__main__":

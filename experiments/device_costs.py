@@ -36,9 +36,10 @@ _OUTPUT = flags.DEFINE_string("output", "", "JSON path")
 _PROJECTION = flags.DEFINE_string("projection", "", "experiments.projection JSON: print the "
                                   "projected ms per iteration of this device beside the measured")
 
-# jax device_kind prefixes -> experiments.projection.DEVICES keys
+# jax device_kind prefixes -> experiments.roofline.DEVICES keys
 _KINDS = (("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v6", "v6e"), ("TPU v5", "v5p"),
-          ("NVIDIA H100", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA B200", "B200"))
+          ("NVIDIA A100", "A100"), ("NVIDIA H100", "H100"), ("NVIDIA H200", "H200"),
+          ("NVIDIA B200", "B200"))
 
 
 def beside_projection(loops: dict, path: str) -> list[str]:
@@ -47,7 +48,8 @@ def beside_projection(loops: dict, path: str) -> list[str]:
   kind = jax.devices()[0].device_kind
   key = next((k for prefix, k in _KINDS if kind.startswith(prefix)), None)
   rows = json.loads(open(path).read())["rows"]
-  mine = [r for r in rows if r["device"] == key and r["batch"] == 1 and r["tau_from"] == "paper"]
+  mine = [r for r in rows if r["device"].split(" ")[0] == key and r["batch"] == 1
+          and r["tau_from"] == "paper"]
   if not mine:
     return [f"no projection rows for device {kind!r} (key {key}) in {path}"]
   out = []
