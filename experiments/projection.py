@@ -23,8 +23,8 @@ from absl import app, flags
 from cure_jax import methods
 from cure_jax.runtime import errors, pipeline
 from experiments import report, roofline
-from experiments.roofline import (DEVICES, GPUS, PAPER_SPEEDUP, PAPER_TAU, SHARES,
-                                  decode_records, device_of, project)
+from experiments.roofline import (DEVICES, GPUS, PAPER_TAU, SHARES, decode_records, device_of,
+                                  project)
 
 _TPU = flags.DEFINE_list("tpu", [], "aot JSON files of TPU compiles (per-chip counts)")
 _CPU = flags.DEFINE_string("cpu", "", "aot JSON of a CPU-backend float32 compile (for GPUs)")

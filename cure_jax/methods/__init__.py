@@ -17,6 +17,8 @@ from cure_jax.methods import ar, ar_draft, chain, cure, ddtree, hybrid
 from cure_jax.methods.base import Method, Proposal, Spec, Verified
 from cure_jax.methods.registry import get, names, register
 
+__all__ = ["Method", "Proposal", "Spec", "Verified", "get", "names", "register"]
+
 for _method in (ar.Ar(), ar_draft.ArDraft(), chain.Chain(), cure.Cure(), ddtree.DDTree(),
                 hybrid.Hybrid()):
   register(_method)

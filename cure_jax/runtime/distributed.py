@@ -195,14 +195,17 @@ def job(config, environ=os.environ):
       watchdog.stopped.set()
       raise
     watchdog.stopped.set()
-    watchdog.mark("failed")
     if not isinstance(e, (SystemExit, *errors.USER_ERRORS)):  # those say what to fix in a line
       traceback.print_exc()
     why = str(e).splitlines()[0] if str(e) else type(e).__name__
     cause = watchdog.culprit() if isinstance(e, jax.errors.JaxRuntimeError) else None
+    # The line first: once the coordinator is gone, XLA may abort this process at any moment.
     print(f"[process {jax.process_index()}] failed: "
           f"{why if cause is None else f'{cause} ({why[:160]})'}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    watchdog.mark("failed")
+    if jax.process_index() == 0:  # the coordinator stays up until the others have read the mark
+      time.sleep(2 * watchdog.interval + 0.5)
     code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
     os._exit(EXIT_PEER_LOST if cause else code)
   watchdog.mark("done")

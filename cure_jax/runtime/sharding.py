@@ -24,7 +24,6 @@ import re
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
