@@ -9,6 +9,7 @@ ROOT/export). `resume`: a fresh job resumes ROOT/interrupted to the end (ROOT/re
 Each process reads its own data folder, ROOT/data_{process}; process 0 writes the files.
 """
 
+import io
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from configs.train import tiny
-from cure_jax.runtime import distributed
+from cure_jax.runtime import distributed, pipeline
 from cure_jax.training import trainer as drafter_training
 
 
@@ -38,9 +39,9 @@ def save(path: Path, trainer, **extra) -> None:
             for p, v in nnx.to_flat_state(trainer.state["params"])}
   distributed.agree({k: v.tobytes().hex() for k, v in params.items()}, "parameters")
   if distributed.is_writer():
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **params, **extra)
-    tmp.replace(path)
+    buf = io.BytesIO()
+    np.savez(buf, **params, **extra)
+    pipeline.write_atomic(path, buf.getvalue())
 
 
 def main(root: Path, mode: str) -> None:

@@ -14,7 +14,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
-
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cure_jax.methods.base import Proposal, Spec, Verified, choose, depth_limit

@@ -99,22 +99,23 @@ def _placement(config, path: str, model_config):
   return sharding.placement(mesh)
 
 
-def load_target(config):
+def _qwen3(config, path: str):
+  """A Qwen3/Llama checkpoint at `path`, in config.dtype, on config.mesh."""
   from convert.qwen3 import load_target
   from cure_jax.models.qwen3 import ModelConfig
+  return load_target(path, dtype_of(config), placement=_placement(config, path, ModelConfig))
+
+
+def load_target(config):
   if not config.target.path:
     raise ValueError("set --config.target.path to a Qwen3/Llama HF directory or converted checkpoint")
-  return load_target(config.target.path, dtype_of(config),
-                     placement=_placement(config, config.target.path, ModelConfig))
+  return _qwen3(config, config.target.path)
 
 
 def _autoregressive_drafter(config, target):
   """A small Qwen3/Llama checkpoint, loaded as a target is."""
   del target
-  from convert.qwen3 import load_target
-  from cure_jax.models.qwen3 import ModelConfig
-  return load_target(config.drafter.path, dtype_of(config),
-                     placement=_placement(config, config.drafter.path, ModelConfig))
+  return _qwen3(config, config.drafter.path)
 
 
 def _block_drafter(config, target):
