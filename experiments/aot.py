@@ -65,6 +65,8 @@ _PROGRAMS = flags.DEFINE_list("programs", ["prefill", "decode", "forward"],
                               "1-token target forward)")
 _OUTPUT = flags.DEFINE_string("output", "results/aot/qwen3_8b", "output path without extension")
 _DUMP_HLO = flags.DEFINE_string("dump_hlo", "", "folder: also write each optimized HLO module")
+_OPTIONS = flags.DEFINE_list("compiler_options", [], "XLA options for every compile, name=value "
+                             "(e.g. xla_gpu_experimental_force_split_k=1), kept in the report")
 _RECOUNT = flags.DEFINE_bool("recount", False, "compile nothing: recount the HLO modules a run "
                              "dumped into --dump_hlo and rewrite its --output report")
 
@@ -220,6 +222,8 @@ def gpu_setup(topology: str) -> str | None:
   if not gpu_targets.parse(topology):
     return None
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if not jax.config.jax_platforms:  # jax read the environment when it was imported, above
+    jax.config.update("jax_platforms", "cpu")
   where = tempfile.mkdtemp(prefix="cure_jax_gpu_dump_")
   flags = f"--xla_dump_to={where} --xla_dump_hlo_module_re=jit_(run|start)"
   os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
@@ -234,10 +238,24 @@ def launch_counts(dump: str, program: str) -> dict | None:
   return gpu_launches.count(found[-1].read_text()) if found else None
 
 
-def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = None) -> dict:
+def compiler_options(pairs: list[str]) -> dict[str, str]:
+  """--compiler_options' name=value pairs."""
+  bad = [p for p in pairs if "=" not in p]
+  if bad:
+    raise app.UsageError(f"--compiler_options takes name=value pairs, not {bad}")
+  return dict(p.strip().split("=", 1) for p in pairs)
+
+
+def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = None,
+            options: dict[str, str] | None = None) -> dict:
   """Compile one lowered program and read its costs."""
   t0 = time.perf_counter()
-  compiled = lowered.compile()
+  try:
+    compiled = lowered.compile(compiler_options=options or None)
+  except jax.errors.JaxRuntimeError as e:
+    if "compile option" not in str(e):
+      raise
+    raise app.UsageError(f"--compiler_options={_OPTIONS.value}: {e}") from e
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
@@ -314,7 +332,9 @@ def markdown(meta: dict, records: list[dict]) -> str:
            f"weights {_gb(meta['weights']['target'])} GB, target KV "
            f"{_gb(meta['weights']['target_kv'])} GB" + (
                f", drafter {_gb(meta['weights']['drafter'])} GB"
-               if "drafter" in meta["weights"] else "") + ".", ""]
+               if "drafter" in meta["weights"] else "") + "." + (
+               f" XLA options: {meta['compiler_options']}." if meta.get("compiler_options")
+               else ""), ""]
   rows = []
   for r in records:
     it = r["iteration"]
@@ -390,6 +410,7 @@ def main(argv):
   if _TOPOLOGY.value == "cpu" and config.dtype == "bfloat16":
     print("note: the CPU backend upcasts bf16 weights (temporaries of the model's size); CPU "
           "figures are meaningful in float32 (--config.dtype=float32)")
+  options = compiler_options(_OPTIONS.value)
   dump = gpu_setup(_TOPOLOGY.value)
   devices = topology_devices(_TOPOLOGY.value)
   mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)
@@ -404,12 +425,13 @@ def main(argv):
   meta = dict(target=_TARGET.value, drafter=_DRAFTER.value if needs_drafter else None,
               topology=_TOPOLOGY.value, device_kind=devices[0].device_kind,
               mesh=[int(mesh.shape["data"]), int(mesh.shape["model"])], dtype=config.dtype,
-              max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__)
+              max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__,
+              compiler_options=options)
   records = []
   for case in cases(programs, names, v_maxes, batches):
     meta["weights"] = weight_bytes(target, drafter, mesh, case.batch, _MAX_LEN.value)
     lowered = lower_case(case, graphdef, params, config, mesh, drafter)
-    rec = analyse(case, lowered, meta["weights"], dump)
+    rec = analyse(case, lowered, meta["weights"], dump, options)
     records.append(rec)
     it = rec["iteration"]
     print(f"{case.name}: compile {rec['compile_s']:.1f} s, HBM {it['hbm_bytes'] / 1e9:.2f} GB "

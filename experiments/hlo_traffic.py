@@ -26,7 +26,10 @@ On a GPU the same rules hold, with two more:
 - a cuBLAS call (`__cublas$...` custom-call) returns its workspace beside its result, a 1-D s8
   scratch buffer of up to tens of MB that it need not touch; it is not counted;
 - the L2 cache (50 MB on an H100) is not modelled: an operand re-read by a later op counts
-  again even if it would still be in L2, so the count is an upper bound of HBM traffic.
+  again even if it would still be in L2, so the count is an upper bound of HBM traffic;
+- a Pallas Triton kernel (`__gpu$xla.gpu.triton` custom-call) is a kernel like a TPU one, and
+  its operands count whole: gpu_attention's reads only the filled part of the cache, which the
+  HLO does not say, so here too the count is an upper bound.
 
 Kernels and host launches per iteration on a GPU come from XLA's thunk sequence instead
 (experiments/gpu_launches.py): command buffers (CUDA graphs) are formed after the HLO passes.
@@ -49,6 +52,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "domain", "iota"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}   # opcode -> operand index of the update
+_PALLAS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
 ACTIVATION = "activation"
 
 
@@ -217,7 +221,7 @@ class Traffic:
   hbm: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   on_chip: float = 0.0
   fusions: int = 0
-  kernels: int = 0                  # Pallas / Mosaic TPU kernels (tpu_custom_call)
+  kernels: int = 0                  # Pallas kernels: Mosaic TPU (tpu_custom_call), Triton on GPUs
   collectives: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   unknown_trips: int = 0
   ops: list = dataclasses.field(default_factory=list)    # (HBM bytes, name, opcode, op_name)
@@ -382,7 +386,7 @@ class _Counter:
       kind = op[:-len("-start")] if op.endswith("-start") else op
       if kind in COLLECTIVES:
         t.collectives[kind] += 1
-      if op == "custom-call" and 'custom_call_target="tpu_custom_call"' in ins.attrs:
+      if op == "custom-call" and _PALLAS.search(ins.attrs):
         t.kernels += 1
       if op == "fusion":
         t.fusions += 1

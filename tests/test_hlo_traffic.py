@@ -95,6 +95,26 @@ def test_a_tpu_kernel_counts_its_operands_and_result():
                              "activation": 2 * 16 * 128 * 2}
 
 
+TRITON_HLO = """HloModule t, entry_computation_layout={(bf16[2,4096,128]{2,1,0})->f32[2,4,16,128]{3,2,1,0}}
+
+ENTRY %main (k: bf16[2,4096,128], q: bf16[2,16,128]) -> f32[2,4,16,128] {
+  %k = bf16[2,4096,128]{2,1,0} parameter(0)
+  %q = bf16[2,16,128]{2,1,0} parameter(1)
+  %a = (f32[2,4,16,128]{3,2,1,0}, f32[2,4,16]{2,1,0}) custom-call(%q, %k), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %o = f32[2,4,16,128]{3,2,1,0} get-tuple-element(%a), index=0
+}
+"""
+
+
+def test_a_triton_kernel_is_a_kernel_and_counts_its_whole_operands_and_results():
+  """GPU rule: gpu_attention's Pallas (Triton) call is one kernel; the cache counts whole (the
+  kernel reads only its filled part, which the HLO does not say), and so do all its results."""
+  out = hlo_traffic.count(TRITON_HLO, {0: "kv", 1: "q"})["program"]
+  assert out["kernels"] == 1 and out["fusions"] == 0
+  assert out["by_label"] == {"kv": 2 * 4096 * 128 * 2, "q": 2 * 16 * 128 * 2,
+                             "activation": 2 * 4 * 16 * 128 * 4 + 2 * 4 * 16 * 4}
+
+
 def test_bad_text_is_rejected():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo_traffic.count("HloModule m\n")

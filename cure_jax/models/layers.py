@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from cure_jax.models.axes import DATA, MODEL
-from cure_jax.models.kernels import tpu_attention
+from cure_jax.models.kernels import gpu_attention, tpu_attention
 
 
 class RMSNorm(nnx.Module):
@@ -137,15 +137,23 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = 
   mask_old: [B, A, T, S], mask_new: [B, A, T, U] booleans (True = visible).
   Returns [B, A, T, H, D].
 
-  On TPU this is tpu_attention's Pallas kernel, which keeps the scores on chip; elsewhere it is
-  xla_attend, and so it is with kernel=False (the kernel has no gradient: training passes False)
-  and for caches the kernel does not tile (an empty one, as in prefill, or S not a multiple of
-  128 slots).
+  On TPU this is tpu_attention's Pallas kernel and on NVIDIA GPUs gpu_attention's (Triton), which
+  keep the scores on chip; elsewhere it is xla_attend, and so it is with kernel=False (the kernels
+  have no gradient: training passes False) and for caches a kernel does not tile (an empty one,
+  as in prefill, or one not in whole blocks of slots).
   """
   args = (q, k_old, v_old, k_new, v_new, mask_old, mask_new)
-  if not kernel or not tpu_attention.tiles(k_old.shape[2]):
+  if not kernel:
     return xla_attend(*args)
-  return jax.lax.platform_dependent(*args, tpu=tpu_attention.attend, default=xla_attend)
+  s, groups, head_dim = k_old.shape[2], q.shape[3] // k_old.shape[1], q.shape[4]
+  platforms = {}
+  if tpu_attention.tiles(s):
+    platforms["tpu"] = tpu_attention.attend
+  if gpu_attention.tiles(s, groups, head_dim):
+    platforms["cuda"] = gpu_attention.attend
+  if not platforms:
+    return xla_attend(*args)
+  return jax.lax.platform_dependent(*args, **platforms, default=xla_attend)
 
 
 def xla_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):

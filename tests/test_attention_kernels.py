@@ -1,7 +1,9 @@
-"""The TPU attention kernel (Pallas, run here in interpret mode) against attention written out
-in float64 numpy, over the shapes decoding gives it: one query, a verification block, several
-blocks sharing a context (CURE's re-draft), an empty or part-visible cache, several key blocks.
-On fake CPU devices the sharded kernel (per data x model shard) equals the whole one."""
+"""The attention kernels, TPU (Pallas/Mosaic) and GPU (Pallas/Triton), run here in Pallas
+interpret mode, against attention written out in float64 numpy, over the shapes decoding gives
+them: one query, a verification block, several blocks sharing a context (CURE's re-draft), an
+empty or part-visible cache, several key blocks, several cache ranges (the GPU kernel's split-K)
+and row blocks. On fake CPU devices each sharded kernel (per data x model shard) equals the whole
+one, and decoding through either emits the target's greedy tokens."""
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +15,19 @@ from cure_jax.analysis import random_models
 from cure_jax.tree import repair
 from cure_jax.runtime.generation import Generator
 from cure_jax.models import dflash, layers, qwen3
-from cure_jax.models.kernels import tpu_attention
+from cure_jax.models.kernels import gpu_attention, tpu_attention
 from tests.fake_devices import run_in_child
 
 # (batch, blocks A, rows T, heads, KV heads, head dim, cache slots S, new tokens U)
 SHAPES = [(2, 1, 1, 4, 2, 128, 256, 1),       # target-only decoding
           (2, 1, 17, 8, 2, 64, 1024, 17),     # verification; two 512-slot key blocks
           (1, 5, 16, 8, 4, 64, 384, 16),      # re-draft: five blocks over one context
-          (3, 2, 3, 2, 1, 32, 128, 5)]
+          (3, 2, 3, 2, 1, 32, 128, 5),
+          (1, 1, 32, 8, 2, 128, 2048, 32)]     # a CURE tree: 4 cache ranges on the GPU kernel
+
+# name -> (attend, whether it takes a cache of S slots with G query heads per KV head, head dim D)
+KERNELS = {"tpu": (tpu_attention.attend, lambda s, g, d: tpu_attention.tiles(s)),
+           "gpu": (gpu_attention.attend, gpu_attention.tiles)}
 
 
 def reference(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
@@ -47,44 +54,81 @@ def _inputs(shape, seed, shared_mask=False):
   lengths[0] = 0                                                          # an empty context
   visible = np.arange(s)[None] < lengths[:, None]                         # [B, S]
   mask_old = np.broadcast_to(visible[:, None, None], (b, 1 if shared_mask else a, t, s))
+  if not shared_mask:                                   # tree rows that see only part of it
+    mask_old = mask_old & (rng.random((b, a, t, s)) < 0.9)
   mask_new = (rng.random((b, a, t, u)) < 0.5) | np.eye(t, u, dtype=bool)  # each row sees one
   return (f(b, a, t, h, d), f(b, kvh, s, d), f(b, kvh, s, d), f(b, a, u, kvh, d),
           f(b, a, u, kvh, d), mask_old, mask_new)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_equals_softmax_attention(shape):
+def test_kernel_equals_softmax_attention(kernel, shape):
   args = _inputs(shape, seed=sum(shape), shared_mask=shape[1] > 1)
   want = reference(*(np.asarray(x, np.float64) if x.dtype != bool else
                      np.broadcast_to(x, args[0].shape[:3] + x.shape[-1:]) for x in args))
-  got = tpu_attention.attend(*map(jnp.asarray, args), interpret=True)
+  got = KERNELS[kernel][0](*map(jnp.asarray, args), interpret=True)
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("slots, tiles", [(0, False), (100, False), (128, True), (4096, True)])
-def test_caches_the_kernel_takes(slots, tiles):
+def test_caches_the_tpu_kernel_takes(slots, tiles):
   assert tpu_attention.tiles(slots) is tiles
+
+
+@pytest.mark.parametrize("slots, groups, head_dim, tiles", [
+    (0, 4, 128, False), (100, 4, 128, False), (64, 4, 128, True), (4096, 4, 128, True),
+    (4096, 3, 64, False), (4096, 4, 96, False), (4096, 4, 8, False)])  # SmolLM2's G = 3: XLA
+def test_caches_the_gpu_kernel_takes(slots, groups, head_dim, tiles):
+  assert gpu_attention.tiles(slots, groups, head_dim) is tiles
+
+
+@pytest.mark.parametrize("b, kvh, row_blocks, slots, splits", [
+    (1, 8, 1, 4096, 8),          # Qwen3-8B at batch 1: 64 programs, 512-slot ranges
+    (8, 8, 1, 4096, 2),          # batch 8: 128 programs
+    (1, 8, 2, 256, 1),           # a short cache is one range
+    (64, 8, 1, 4096, 1)])
+def test_gpu_cache_ranges_fill_the_grid_but_stay_long(b, kvh, row_blocks, slots, splits):
+  assert gpu_attention.num_splits(b, kvh, row_blocks, slots) == splits
+
+
+def test_gpu_kernel_reads_no_block_past_the_last_visible_slot():
+  """Cache slots past every row's mask are not read: poison them (NaN) and the result holds."""
+  args = list(_inputs((2, 1, 4, 4, 2, 64, 1024, 4), seed=3))
+  args[5] = np.broadcast_to(np.arange(1024) < np.array([130, 700])[:, None, None, None],
+                            args[5].shape)
+  want = gpu_attention.attend(*map(jnp.asarray, args), interpret=True)
+  for i, n in enumerate((192, 704)):             # past the 64-slot block holding the last one
+    args[1][i, :, n:] = np.nan
+    args[2][i, :, n:] = np.nan
+  got = gpu_attention.attend(*map(jnp.asarray, args), interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.isfinite(np.asarray(got)).all()
 
 
 def test_on_fake_cpu_devices(tmp_path):
   run_in_child(__file__, "sharded_kernel", tmp_path, devices=8)
 
 
-def test_sharded_kernel_equals_whole():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sharded_kernel_equals_whole(kernel):
   if jax.device_count() < 8:
     pytest.skip("runs in test_on_fake_cpu_devices' child, with 8 fake devices")
+  attend = KERNELS[kernel][0]
   args = [jnp.asarray(x) for x in _inputs((4, 1, 3, 8, 4, 32, 256, 3), seed=5)]
-  want = tpu_attention.attend(*args, interpret=True)
+  want = attend(*args, interpret=True)
   mesh = sharding.make_mesh(2, 4)
   with jax.set_mesh(mesh):
-    got = jax.jit(lambda *xs: tpu_attention.attend(*xs, interpret=True))(*args)
+    got = jax.jit(lambda *xs: attend(*xs, interpret=True))(*args)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-def test_decoding_through_the_kernel_equals_target_greedy(monkeypatch):
-  """Every target and drafter layer through the (interpreted) kernel, as on TPU: CURE and chain
-  still emit the target's greedy tokens, and those equal the XLA path's."""
-  arch = random_models.Arch()
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decoding_through_the_kernel_equals_target_greedy(kernel, monkeypatch):
+  """Every target and drafter layer through the (interpreted) kernel, as on TPU or GPU: CURE and
+  chain still emit the target's greedy tokens, and those equal the XLA path's."""
+  attend, tiles = KERNELS[kernel]
+  arch = random_models.Arch(head_dim=16)     # a head the GPU kernel takes (Triton: >= 16)
   target, drafter = random_models.pair(arch, seed=7)
   batch = random_models.prompts(7, arch.vocab, 3)
   new = dict(max_new_tokens=16, max_len=128)       # 128 slots: a cache the kernel tiles
@@ -93,9 +137,10 @@ def test_decoding_through_the_kernel_equals_target_greedy(monkeypatch):
   traced = []
 
   def through_kernel(*args, kernel=True):
-    if kernel and tpu_attention.tiles(args[1].shape[2]):
-      traced.append(args[0].shape)
-      return tpu_attention.attend(*args, interpret=True)
+    q, k_old = args[:2]
+    if kernel and tiles(k_old.shape[2], q.shape[3] // k_old.shape[1], q.shape[4]):
+      traced.append(q.shape)
+      return attend(*args, interpret=True)
     return layers.xla_attend(*args)
 
   generation.release_compiled()

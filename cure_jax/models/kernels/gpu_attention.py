@@ -1,0 +1,171 @@
+"""Attention over [cache ; new tokens] on GPUs: the cache part as one Pallas (Triton) kernel.
+
+`layers.xla_attend` builds each layer's scores over the whole cache as XLA tensors. XLA's GPU
+compiler writes them to HBM between the score, softmax and value fusions: for Qwen3-8B at batch 8
+that is most of an iteration's activation traffic (WORKSPACE.md, session 12). This kernel streams
+the cache through on-chip memory in blocks of keys with an online softmax, as flash-decoding does,
+so HBM sees the queries, the cache, its masks and small per-split partial results only.
+
+- *Split-K.* At batch 1 a (batch row, KV head) grid has 8 programs for Qwen3-8B, too few to draw
+  an H100's bandwidth, so the cache is also split into `splits` ranges, each a program; the
+  partial (sum, max, denominator) of each range is merged in XLA with the new tokens' part.
+- *Only the filled part of the cache.* Each batch row's last visible slot bounds the loop, so a
+  program past it reads nothing: a 300-token context reads 300 slots, not `max_len`.
+- *Tree masks.* Each query row has its own mask over the cache (int8), and the new tokens (the
+  tree, a drafter's block) are attended in XLA beside the merge, with the caller's mask: they are
+  at most a few hundred keys, and their scores are a few hundred KB.
+
+The kernel has no gradient (training passes kernel=False) and is tested on CPU in Pallas
+interpret mode against `layers.xla_attend`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+
+from cure_jax.models.axes import DATA, MODEL
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+_KEYS = 64        # cache slots per step of a program's loop
+_ROWS = 16        # query rows per program: Triton's dot takes at least 16
+_MIN_SPLIT = 512  # cache slots per split at least: each split's partials cost HBM bytes
+_PROGRAMS = 128   # enough programs to keep an H100's 132 SMs streaming
+
+
+def _pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def tiles(s: int, groups: int, head_dim: int) -> bool:
+  """Whether the kernel takes a cache of S slots: whole blocks of keys, at least one; Triton's
+  blocks are powers of two, so query heads per KV head and head_dim must be, and its dot takes
+  at least 16 along each side."""
+  return s > 0 and s % _KEYS == 0 and _pow2(groups) and _pow2(head_dim) and head_dim >= 16
+
+
+def num_splits(b: int, kvh: int, row_blocks: int, s: int) -> int:
+  """Cache ranges per (batch row, KV head, row block): a power of two dividing the cache into
+  ranges of at least _MIN_SPLIT slots, until the grid has _PROGRAMS programs."""
+  n = 1
+  while (b * kvh * row_blocks * n < _PROGRAMS and s % (2 * n * _KEYS) == 0
+         and s // (2 * n) >= _MIN_SPLIT):
+    n *= 2
+  return n
+
+
+def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, acc_ref, max_ref, sum_ref, *, scale: float,
+            groups: int, split: int, precision):
+  """One (batch row, KV head, row block, cache range): q [G, R, D], k/v [L, D], mask [R, L]."""
+  start = pl.program_id(3) * split
+  steps = jnp.clip(pl.cdiv(hi_ref[...] - start, _KEYS), 0, split // _KEYS)
+  rows, d = q_ref.shape[1:]
+
+  def step(i, carry):
+    keys = pl.ds(i * _KEYS, _KEYS)
+    k, v = k_ref[keys, :], v_ref[keys, :]                                   # [N, D]
+    visible = mask_ref[:, keys] != 0                                        # [R, N]
+    out = []
+    for g, (acc, top, total) in enumerate(carry):
+      s = jax.lax.dot_general(q_ref[g], k, (((1,), (1,)), ((), ())), precision=precision,
+                              preferred_element_type=jnp.float32) * scale  # [R, N]
+      s = jnp.where(visible, s, _NEG)
+      new_top = jnp.maximum(top, s.max(axis=-1))
+      p = jnp.where(visible, jnp.exp(s - new_top[:, None]), 0.0)
+      alpha = jnp.exp(top - new_top)
+      acc = alpha[:, None] * acc + jax.lax.dot_general(
+          p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+          preferred_element_type=jnp.float32)
+      out.append((acc, new_top, alpha * total + p.sum(axis=-1)))
+    return tuple(out)
+
+  init = tuple((jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+                jnp.zeros((rows,), jnp.float32)) for _ in range(groups))
+  for g, (acc, top, total) in enumerate(jax.lax.fori_loop(0, steps, step, init)):
+    acc_ref[g], max_ref[g], sum_ref[g] = acc, top, total
+
+
+def kernel_call(hi, q, k, v, mask, *, interpret: bool = False):
+  """hi [B] int32 (slots past it are masked for every row); q [B, KVH, G, R, D] (R a multiple of
+  16); k/v [B, KVH, S, D]; mask [B, R, S] int8. Returns the unnormalised sums [B, KVH, J, G, R, D]
+  (f32), and the row maxima and denominators [B, KVH, J, G, R] of J cache ranges."""
+  b, kvh, g, r, d = q.shape
+  s = k.shape[2]
+  row_blocks = r // _ROWS
+  splits = num_splits(b, kvh, row_blocks, s)
+  split = s // splits
+  sq = pl.squeezed
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32 in f32
+  part = (b, kvh, splits, g, r)
+  return pl.pallas_call(
+      functools.partial(_kernel, scale=1.0 / math.sqrt(d), groups=g, split=split,
+                        precision=precision),
+      out_shape=[jax.ShapeDtypeStruct(part + (d,), jnp.float32),
+                 jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)],
+      grid=(b, kvh, row_blocks, splits),
+      in_specs=[
+          pl.BlockSpec((sq,), lambda i, h, r, j: (i,)),
+          pl.BlockSpec((sq, sq, g, _ROWS, d), lambda i, h, r, j: (i, h, 0, r, 0)),
+          pl.BlockSpec((sq, sq, split, d), lambda i, h, r, j: (i, h, j, 0)),
+          pl.BlockSpec((sq, sq, split, d), lambda i, h, r, j: (i, h, j, 0)),
+          pl.BlockSpec((sq, _ROWS, split), lambda i, h, r, j: (i, r, j)),
+      ],
+      out_specs=[
+          pl.BlockSpec((sq, sq, sq, g, _ROWS, d), lambda i, h, r, j: (i, h, j, 0, r, 0)),
+          pl.BlockSpec((sq, sq, sq, g, _ROWS), lambda i, h, r, j: (i, h, j, 0, r)),
+          pl.BlockSpec((sq, sq, sq, g, _ROWS), lambda i, h, r, j: (i, h, j, 0, r)),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+  )(hi, q, k, v, mask)
+
+
+def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool = False):
+  """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel.
+
+  Under a mesh (`jax.set_mesh`) the kernel runs per shard: batch rows over `data`, KV heads over
+  `model`, as the caches are laid out (sharding.CACHE_SPEC), so no collective is added.
+  """
+  b, a, t, h, d = q.shape
+  kvh, s = k_old.shape[1], k_old.shape[2]
+  g, r = h // kvh, a * t
+  pad = -r % _ROWS
+  qg = q.reshape(b, a, t, kvh, g, d)
+  qk = qg.transpose(0, 3, 4, 1, 2, 5).reshape(b, kvh, g, r, d)
+  qk = jnp.pad(qk, ((0, 0),) * 3 + ((0, pad), (0, 0)))                   # [B, KVH, G, R', D]
+  mask = jnp.broadcast_to(mask_old, (b, a, t, s)).reshape(b, r, s)     # callers share it over A
+  hi = jnp.max(jnp.where(mask, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=(1, 2))  # [B]
+  mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0))).astype(jnp.int8)    # [B, R', S]
+  call = functools.partial(kernel_call, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    heads, rows = P(DATA, MODEL), P(DATA)
+    call = jax.shard_map(call, mesh=mesh, in_specs=(rows, heads, heads, heads, rows),
+                         out_specs=(heads, heads, heads), check_vma=False)
+  acc, top, total = call(hi, qk, k_old, v_old, mask)      # [B, KVH, J, G, R', D], [B, KVH, J, G, R']
+  acc, top, total = (x[:, :, :, :, :r].reshape(x.shape[:4] + (a, t) + x.shape[5:])
+                     for x in (acc, top, total))            # [B, KVH, J, G, A, T, (D)]
+
+  # the new tokens' part, [B, KVH, G, A, T, U]: a few hundred keys at most
+  s_new = jnp.einsum("batkgd,baukd->bkgatu", qg, k_new,
+                     preferred_element_type=jnp.float32) / math.sqrt(d)
+  visible = jnp.broadcast_to(mask_new, (b, a, t, k_new.shape[2]))[:, None, None]
+  s_new = jnp.where(visible, s_new, _NEG)
+  new_top = s_new.max(-1, initial=_NEG)                                   # [B, KVH, G, A, T]
+  e_new = jnp.where(visible, jnp.exp(s_new - new_top[..., None]), 0.0)
+  acc_new = jnp.einsum("bkgatu,baukd->bkgatd", e_new.astype(v_new.dtype), v_new,
+                       preferred_element_type=jnp.float32)
+
+  # merge the J cache ranges and the new tokens by their maxima
+  best = jnp.maximum(top.max(axis=2), new_top)                            # [B, KVH, G, A, T]
+  w, w_new = jnp.exp(top - best[:, :, None]), jnp.exp(new_top - best)
+  num = (w[..., None] * acc).sum(axis=2) + w_new[..., None] * acc_new     # [B, KVH, G, A, T, D]
+  den = (w * total).sum(axis=2) + w_new * e_new.sum(-1)
+  out = num / jnp.where(den > 0, den, 1.0)[..., None]
+  return out.transpose(0, 3, 4, 1, 2, 5).reshape(b, a, t, h, d).astype(q.dtype)
