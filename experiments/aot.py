@@ -20,9 +20,11 @@ process per machine at a time.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -225,6 +227,7 @@ def gpu_setup(topology: str) -> str | None:
   if not jax.config.jax_platforms:  # jax read the environment when it was imported, above
     jax.config.update("jax_platforms", "cpu")
   where = tempfile.mkdtemp(prefix="cure_jax_gpu_dump_")
+  atexit.register(shutil.rmtree, where, True)   # hundreds of MB a run; --dump_hlo keeps HLO
   flags = f"--xla_dump_to={where} --xla_dump_hlo_module_re=jit_(run|start)"
   os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
   return where

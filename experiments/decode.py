@@ -56,7 +56,7 @@ def run(config):
     summary["equal_to_ar"] = sum(r.output_ids == a.output_ids for r, a in zip(results, reference))
     summary["ar_tpot_ms"] = pipeline.summary(reference)["tpot_ms"]
   distributed.agree({"results": [r.output_ids for r in results]}, "results")
-  projected = gpu_projection(config.method, summary["tau"])
+  projected = gpu_projection(config.method, summary["tau"], int(config.cure.v_max))
   if projected:
     summary["projected_h200_qwen3_8b"] = projected
   if not distributed.is_writer():  # every process holds the results; the first one reports
@@ -78,15 +78,17 @@ def run(config):
           f"{GPU_COUNTS.relative_to(GPU_COUNTS.parents[2])})")
 
 
-def gpu_projection(method: str, tau: float) -> dict | None:
+def gpu_projection(method: str, tau: float, v_max: int) -> dict | None:
   """TPOT and speedup over target-only that the committed GPU counts project for Qwen3-8B on
-  an H200 at τ (batch 1); None without counts for the method."""
+  an H200 at τ (batch 1), for a tree method at the config's v_max where it was compiled; None
+  without counts for the method."""
   if not GPU_COUNTS.is_file():
     return None
   records = roofline.decode_records(json.loads(GPU_COUNTS.read_text()))
   rows = roofline.project(records, ["H200"], 1.0, {"measured": {"ar": 1.0, method: tau}},
                           launch_us=roofline.LAUNCH_US)
-  row = next((r for r in rows if r["method"] == method and r["batch"] == 1), None)
+  rows = [r for r in rows if r["method"] == method and r["batch"] == 1]
+  row = next((r for r in rows if r["v_max"] == v_max), rows[0] if rows else None)
   return None if row is None else dict(tpot_ms=row["tpot_ms"], speedup=row["speedup"],
                                        iteration_ms=row["iteration_ms"])
 

@@ -12,17 +12,15 @@ layer's attention scores to HBM and read them back twice).
 
 import fcntl
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from cure_jax.analysis import random_models
+from tests import aot_child
 
-REPO = Path(__file__).resolve().parents[1]
 LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "cure_jax_libtpu.lock"
 # ~290 MB of bf16 weights per chip over 4 chips, more than v5e's 128 MiB of on-chip memory, and
 # a 2048-slot cache of ~25 MB per chip: one relayout copy of it per iteration breaks the bound.
@@ -35,15 +33,6 @@ ARCH = random_models.Arch(vocab=32768, hidden=2048, layers=12, heads=16, kv_head
 HEAD_COLLECTIVES = 3     # all-reduces of the vocabulary-parallel head / argmax / embedding
 
 
-def _child_env() -> dict:
-  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-  # conftest's `--xla_backend_optimization_level=0` would change the program under test
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if "optimization_level" not in f]
-  env["XLA_FLAGS"] = " ".join(flags)
-  env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-  return env
-
-
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
   if importlib.util.find_spec("libtpu") is None:
@@ -51,20 +40,11 @@ def compiled(tmp_path_factory):
     print(f"SKIP test_aot_tpu: {msg}")
     pytest.skip(msg)
   root = tmp_path_factory.mktemp("aot")
-  for name, cfg in zip(("target", "drafter"),
-                       random_models.hf_configs(ARCH.target_cfg(), ARCH.drafter_cfg())):
-    (root / name).mkdir()
-    (root / name / "config.json").write_text(json.dumps(cfg))
-  cmd = [sys.executable, "-m", "experiments.aot", "--config=configs/qwen3_8b.py",
-         "--topology=v5e:2x2", "--config.mesh.model=4", f"--target={root / 'target'}",
-         f"--drafter={root / 'drafter'}", "--methods=ar,chain", "--batch=1",
-         "--programs=decode", f"--max_len={MAX_LEN}", "--prompt_len=64", f"--output={root / 'out'}"]
+  flags = ["--topology=v5e:2x2", "--config.mesh.model=4", "--methods=ar,chain", "--batch=1",
+           "--programs=decode", f"--max_len={MAX_LEN}", "--prompt_len=64"]
   with open(LOCK, "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)   # one libtpu process at a time on this machine
-    child = subprocess.run(cmd, cwd=REPO, env=_child_env(), capture_output=True, text=True,
-                           timeout=600)
-  assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-  records = json.loads((root / "out.json").read_text())["records"]
+    records = aot_child.compile_pair(sys.executable, root, ARCH, flags, aot_child.child_env())
   return {r["case"]: r for r in records}
 
 

@@ -45,3 +45,15 @@ def test_a_gpu_compile_adds_its_launches_and_prices_flops_from_the_weights():
   assert by["ar"]["iteration_ms"] == pytest.approx(1000 * 16e9 / (bw * 1e9) + 250 * 0.004)
   compute_ms = 1000 * 8 * (16e9 * 64 + 2e9 * 16) / (peak * 1e12)   # above its 6 ms of bytes
   assert by["cure"]["iteration_ms"] == pytest.approx(compute_ms + 10 * 0.004)
+
+
+def test_decode_projects_the_tree_size_it_runs_from_the_committed_counts():
+  """experiments.decode's H200 line: the committed H100 counts, at the config's v_max; TPOT is
+  the iteration over τ and target-only is 1x."""
+  from experiments import decode
+  small, big = (decode.gpu_projection("ddtree", 2.0, v) for v in (32, 64))
+  assert big["iteration_ms"] > small["iteration_ms"] > decode.gpu_projection("ar", 1.0, 32)[
+      "iteration_ms"]
+  assert small["tpot_ms"] == pytest.approx(small["iteration_ms"] / 2.0)
+  assert decode.gpu_projection("ar", 1.0, 32)["speedup"] == pytest.approx(1.0)
+  assert decode.gpu_projection("ddtree", 2.0, 48) == small     # not compiled: the first one

@@ -1,22 +1,21 @@
-"""Attention over [cache ; new tokens] on GPUs: the cache part as one Pallas (Triton) kernel.
+"""Attention over [cache ; new tokens] on GPUs as one Pallas (Triton) kernel per layer.
 
 `layers.xla_attend` builds each layer's scores over the whole cache as XLA tensors. XLA's GPU
 compiler writes them to HBM between the score, softmax and value fusions: for Qwen3-8B at batch 8
-that is most of an iteration's activation traffic (WORKSPACE.md, session 12). This kernel streams
+that was most of an iteration's activation traffic (WORKSPACE.md, session 12). This kernel streams
 the cache through on-chip memory in blocks of keys with an online softmax, as flash-decoding does,
-so HBM sees the queries, the cache, its masks and small per-split partial results only.
+so HBM sees the queries, the cache, the masks, the new tokens and small per-range partials only.
 
 - *Split-K.* At batch 1 a (batch row, KV head) grid has 8 programs for Qwen3-8B, too few to draw
-  an H100's bandwidth, so the cache is also split into `splits` ranges, each a program; the
-  partial (sum, max, denominator) of each range is merged in XLA with the new tokens' part.
+  an H100's bandwidth, so the cache is also split into ranges, a program each; the programs'
+  partial (sum, max, denominator) are merged in XLA.
 - *Only the filled part of the cache.* Each batch row's last visible slot bounds the loop, so a
   program past it reads nothing: a 300-token context reads 300 slots, not `max_len`.
-- *Tree masks.* Each query row has its own mask over the cache (int8), and the new tokens (the
-  tree, a drafter's block) are attended in XLA beside the merge, with the caller's mask: they are
-  at most a few hundred keys, and their scores are a few hundred KB.
+- *Tree masks.* Each query row has its own mask over the cache and over the new tokens (a tree's
+  ancestors, a drafter block's own tokens), int8; the last range's program attends the new ones.
 
 The kernel has no gradient (training passes kernel=False) and is tested on CPU in Pallas
-interpret mode against `layers.xla_attend`.
+interpret mode against attention written out in numpy.
 """
 
 from __future__ import annotations
@@ -60,20 +59,23 @@ def num_splits(b: int, kvh: int, row_blocks: int, s: int) -> int:
   return n
 
 
-def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, acc_ref, max_ref, sum_ref, *, scale: float,
-            groups: int, split: int, precision):
-  """One (batch row, KV head, row block, cache range): q [G, R, D], k/v [L, D], mask [R, L]."""
-  start = pl.program_id(3) * split
-  steps = jnp.clip(pl.cdiv(hi_ref[...] - start, _KEYS), 0, split // _KEYS)
-  rows, d = q_ref.shape[1:]
+def _pow2_at_least_16(n: int) -> int:
+  return max(16, 1 << (n - 1).bit_length())
 
-  def step(i, carry):
-    keys = pl.ds(i * _KEYS, _KEYS)
-    k, v = k_ref[keys, :], v_ref[keys, :]                                   # [N, D]
-    visible = mask_ref[:, keys] != 0                                        # [R, N]
+
+def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn_ref, acc_ref, max_ref,
+            sum_ref, *, scale: float, groups: int, split: int, precision):
+  """One (batch row, KV head, row block, cache range): q [G, R, D], k/v [L, D], mask [R, L];
+  the last range's program also attends the new tokens kn/vn [N, D] under their mask [R, N]."""
+  j = pl.program_id(3)
+  steps = jnp.clip(pl.cdiv(hi_ref[...] - j * split, _KEYS), 0, split // _KEYS)
+  rows, d = q_ref.shape[1:]
+  qs = [q_ref[g] for g in range(groups)]                                    # G x [R, D]
+
+  def update(carry, k, v, visible):             # k, v [N, D]; visible [R, N]
     out = []
     for g, (acc, top, total) in enumerate(carry):
-      s = jax.lax.dot_general(q_ref[g], k, (((1,), (1,)), ((), ())), precision=precision,
+      s = jax.lax.dot_general(qs[g], k, (((1,), (1,)), ((), ())), precision=precision,
                               preferred_element_type=jnp.float32) * scale  # [R, N]
       s = jnp.where(visible, s, _NEG)
       new_top = jnp.maximum(top, s.max(axis=-1))
@@ -85,18 +87,28 @@ def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, acc_ref, max_ref, sum_ref, *,
       out.append((acc, new_top, alpha * total + p.sum(axis=-1)))
     return tuple(out)
 
+  def step(i, carry):
+    keys = pl.ds(i * _KEYS, _KEYS)
+    return update(carry, k_ref[keys, :], v_ref[keys, :], mask_ref[:, keys] != 0)
+
   init = tuple((jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
                 jnp.zeros((rows,), jnp.float32)) for _ in range(groups))
-  for g, (acc, top, total) in enumerate(jax.lax.fori_loop(0, steps, step, init)):
+  carry = jax.lax.fori_loop(0, steps, step, init)
+  carry = jax.lax.cond(j == pl.num_programs(3) - 1,
+                       lambda c: update(c, kn_ref[...], vn_ref[...], mn_ref[...] != 0),
+                       lambda c: c, carry)
+  for g, (acc, top, total) in enumerate(carry):
     acc_ref[g], max_ref[g], sum_ref[g] = acc, top, total
 
 
-def kernel_call(hi, q, k, v, mask, *, interpret: bool = False):
-  """hi [B] int32 (slots past it are masked for every row); q [B, KVH, G, R, D] (R a multiple of
-  16); k/v [B, KVH, S, D]; mask [B, R, S] int8. Returns the unnormalised sums [B, KVH, J, G, R, D]
-  (f32), and the row maxima and denominators [B, KVH, J, G, R] of J cache ranges."""
+def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = False):
+  """hi [B] int32 (cache slots past it are masked for every row); q [B, KVH, G, R, D] (R a
+  multiple of 16); k/v [B, KVH, S, D]; mask [B, R, S] int8; k_new/v_new [B, KVH, N, D] and
+  mask_new [B, R, N] int8 (N a power of two, at least 16). Returns the unnormalised sums
+  [B, KVH, J, G, R, D] (f32), and the row maxima and denominators [B, KVH, J, G, R] of J cache
+  ranges, the last with the new tokens."""
   b, kvh, g, r, d = q.shape
-  s = k.shape[2]
+  s, n = k.shape[2], k_new.shape[2]
   row_blocks = r // _ROWS
   splits = num_splits(b, kvh, row_blocks, s)
   split = s // splits
@@ -115,6 +127,9 @@ def kernel_call(hi, q, k, v, mask, *, interpret: bool = False):
           pl.BlockSpec((sq, sq, split, d), lambda i, h, r, j: (i, h, j, 0)),
           pl.BlockSpec((sq, sq, split, d), lambda i, h, r, j: (i, h, j, 0)),
           pl.BlockSpec((sq, _ROWS, split), lambda i, h, r, j: (i, r, j)),
+          pl.BlockSpec((sq, sq, n, d), lambda i, h, r, j: (i, h, 0, 0)),
+          pl.BlockSpec((sq, sq, n, d), lambda i, h, r, j: (i, h, 0, 0)),
+          pl.BlockSpec((sq, _ROWS, n), lambda i, h, r, j: (i, r, 0)),
       ],
       out_specs=[
           pl.BlockSpec((sq, sq, sq, g, _ROWS, d), lambda i, h, r, j: (i, h, j, 0, r, 0)),
@@ -123,49 +138,43 @@ def kernel_call(hi, q, k, v, mask, *, interpret: bool = False):
       ],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
-  )(hi, q, k, v, mask)
+  )(hi, q, k, v, mask, k_new, v_new, mask_new)
 
 
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool = False):
   """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel.
 
-  Under a mesh (`jax.set_mesh`) the kernel runs per shard: batch rows over `data`, KV heads over
-  `model`, as the caches are laid out (sharding.CACHE_SPEC), so no collective is added.
+  The A blocks' rows share a program (rows = A x T), so the cache is read once for all of them;
+  their new tokens are laid side by side under a block-diagonal mask. Under a mesh
+  (`jax.set_mesh`) the kernel runs per shard: batch rows over `data`, KV heads over `model`, as
+  the caches are laid out (sharding.CACHE_SPEC), so no collective is added.
   """
   b, a, t, h, d = q.shape
-  kvh, s = k_old.shape[1], k_old.shape[2]
+  kvh, s, u = k_old.shape[1], k_old.shape[2], k_new.shape[2]
   g, r = h // kvh, a * t
-  pad = -r % _ROWS
-  qg = q.reshape(b, a, t, kvh, g, d)
-  qk = qg.transpose(0, 3, 4, 1, 2, 5).reshape(b, kvh, g, r, d)
-  qk = jnp.pad(qk, ((0, 0),) * 3 + ((0, pad), (0, 0)))                   # [B, KVH, G, R', D]
+  rows = ((0, 0), (0, -r % _ROWS), (0, 0))                 # pad A x T rows to whole row blocks
+  n = _pow2_at_least_16(a * u)
+  qk = q.reshape(b, a, t, kvh, g, d).transpose(0, 3, 4, 1, 2, 5).reshape(b, kvh, g, r, d)
+  qk = jnp.pad(qk, ((0, 0),) * 2 + rows)                                  # [B, KVH, G, R', D]
   mask = jnp.broadcast_to(mask_old, (b, a, t, s)).reshape(b, r, s)     # callers share it over A
   hi = jnp.max(jnp.where(mask, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=(1, 2))  # [B]
-  mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0))).astype(jnp.int8)    # [B, R', S]
+  mask = jnp.pad(mask, rows).astype(jnp.int8)                             # [B, R', S]
+  kn, vn = (jnp.pad(x.transpose(0, 3, 1, 2, 4).reshape(b, kvh, a * u, d),
+                    ((0, 0), (0, 0), (0, n - a * u), (0, 0))) for x in (k_new, v_new))
+  own = jnp.eye(a, dtype=bool)[None, :, None, :, None]                     # [1, A, 1, A, 1]
+  mn = (jnp.broadcast_to(mask_new, (b, a, t, u))[:, :, :, None, :] & own).reshape(b, r, a * u)
+  mn = jnp.pad(mn, (rows[0], rows[1], (0, n - a * u))).astype(jnp.int8)   # [B, R', N]
   call = functools.partial(kernel_call, interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty:
-    heads, rows = P(DATA, MODEL), P(DATA)
-    call = jax.shard_map(call, mesh=mesh, in_specs=(rows, heads, heads, heads, rows),
-                         out_specs=(heads, heads, heads), check_vma=False)
-  acc, top, total = call(hi, qk, k_old, v_old, mask)      # [B, KVH, J, G, R', D], [B, KVH, J, G, R']
-  acc, top, total = (x[:, :, :, :, :r].reshape(x.shape[:4] + (a, t) + x.shape[5:])
-                     for x in (acc, top, total))            # [B, KVH, J, G, A, T, (D)]
-
-  # the new tokens' part, [B, KVH, G, A, T, U]: a few hundred keys at most
-  s_new = jnp.einsum("batkgd,baukd->bkgatu", qg, k_new,
-                     preferred_element_type=jnp.float32) / math.sqrt(d)
-  visible = jnp.broadcast_to(mask_new, (b, a, t, k_new.shape[2]))[:, None, None]
-  s_new = jnp.where(visible, s_new, _NEG)
-  new_top = s_new.max(-1, initial=_NEG)                                   # [B, KVH, G, A, T]
-  e_new = jnp.where(visible, jnp.exp(s_new - new_top[..., None]), 0.0)
-  acc_new = jnp.einsum("bkgatu,baukd->bkgatd", e_new.astype(v_new.dtype), v_new,
-                       preferred_element_type=jnp.float32)
-
-  # merge the J cache ranges and the new tokens by their maxima
-  best = jnp.maximum(top.max(axis=2), new_top)                            # [B, KVH, G, A, T]
-  w, w_new = jnp.exp(top - best[:, :, None]), jnp.exp(new_top - best)
-  num = (w[..., None] * acc).sum(axis=2) + w_new[..., None] * acc_new     # [B, KVH, G, A, T, D]
-  den = (w * total).sum(axis=2) + w_new * e_new.sum(-1)
-  out = num / jnp.where(den > 0, den, 1.0)[..., None]
+    heads, batch = P(DATA, MODEL), P(DATA)
+    call = jax.shard_map(call, mesh=mesh, out_specs=(heads, heads, heads), check_vma=False,
+                         in_specs=(batch, heads, heads, heads, batch, heads, heads, batch))
+  acc, top, total = call(hi, qk, k_old, v_old, mask, kn, vn, mn)  # [B, KVH, J, G, R', (D)]
+  # merge the J ranges by their maxima, reading the real rows only (one of 16 for a single query)
+  acc, top, total = acc[:, :, :, :, :r], top[..., :r], total[..., :r]
+  w = jnp.exp(top - top.max(axis=2, keepdims=True))                      # [B, KVH, J, G, R]
+  den = (w * total).sum(axis=2)
+  out = (w[..., None] * acc).sum(axis=2) / jnp.where(den > 0, den, 1.0)[..., None]
+  out = out.reshape(b, kvh, g, a, t, d)                                  # [B, KVH, G, A, T, D]
   return out.transpose(0, 3, 4, 1, 2, 5).reshape(b, a, t, h, d).astype(q.dtype)
