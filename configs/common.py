@@ -47,6 +47,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.check_ar = False           # also decode target-only and report token equality
   config.compilation_cache = ""     # JAX persistent compilation cache folder; "" = the cure_jax
                                     # cache folder's xla/ ($CURE_JAX_CACHE), "off" = no cache
+  config.compiler_options = ""      # XLA options for the decoding programs, "name=value,...",
+                                    # e.g. xla_gpu_experimental_force_split_k=1 on a GPU
   config.cure = ml_collections.ConfigDict(dict(
       tau_margin=1.0, margin_scale=2.0, b_min=1, b_max=5, dynamic=True, select="margin",
       max_repair_positions=1, v_max=64, max_depth=15, beam_width=5, keep_branch0=True,

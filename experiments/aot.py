@@ -241,24 +241,11 @@ def launch_counts(dump: str, program: str) -> dict | None:
   return gpu_launches.count(found[-1].read_text()) if found else None
 
 
-def compiler_options(pairs: list[str]) -> dict[str, str]:
-  """--compiler_options' name=value pairs."""
-  bad = [p for p in pairs if "=" not in p]
-  if bad:
-    raise app.UsageError(f"--compiler_options takes name=value pairs, not {bad}")
-  return dict(p.strip().split("=", 1) for p in pairs)
-
-
 def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = None,
             options: dict[str, str] | None = None) -> dict:
   """Compile one lowered program and read its costs."""
   t0 = time.perf_counter()
-  try:
-    compiled = lowered.compile(compiler_options=options or None)
-  except jax.errors.JaxRuntimeError as e:
-    if "compile option" not in str(e):
-      raise
-    raise app.UsageError(f"--compiler_options={_OPTIONS.value}: {e}") from e
+  compiled = decoding.compile_with(lowered, options)
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
@@ -413,7 +400,7 @@ def main(argv):
   if _TOPOLOGY.value == "cpu" and config.dtype == "bfloat16":
     print("note: the CPU backend upcasts bf16 weights (temporaries of the model's size); CPU "
           "figures are meaningful in float32 (--config.dtype=float32)")
-  options = compiler_options(_OPTIONS.value)
+  options = pipeline.compiler_options(_OPTIONS.value)
   dump = gpu_setup(_TOPOLOGY.value)
   devices = topology_devices(_TOPOLOGY.value)
   mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)

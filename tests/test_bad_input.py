@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cure_jax.runtime import prompts
+from cure_jax.runtime import pipeline, prompts
 from cure_jax.tree import repair
 from cure_jax.runtime.generation import Generator
 from cure_jax.analysis import random_models
@@ -37,6 +37,27 @@ def test_empty_prompt_and_zero_tokens(pair):
     Generator(target, method="ar", max_new_tokens=4).generate([[]])
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     Generator(target, method="ar", max_new_tokens=0)
+
+
+def test_unknown_compiler_options(pair):
+  target, _ = pair
+  gen = Generator(target, method="ar", max_new_tokens=4, compiler_options={"xla_no_such": "1"})
+  with pytest.raises(ValueError, match="No such compile option: 'xla_no_such'"):
+    gen.generate([[1, 2, 3]])
+  with pytest.raises(ValueError, match="name=value pairs, not \\['split_k'\\]"):
+    pipeline.compiler_options("xla_a=1,split_k")
+
+
+def test_compiler_options_reach_the_compiler_and_keep_the_tokens(pair, tmp_path):
+  """An XLA option (here: dump the optimized HLO) is passed to every compile of the Generator,
+  which keeps its own executables and emits the same tokens."""
+  target, _ = pair
+  want = Generator(target, method="ar", max_new_tokens=6).generate([[1, 2, 3]])
+  dumped = Generator(target, method="ar", max_new_tokens=6,
+                     compiler_options={"xla_dump_to": str(tmp_path)}).generate([[1, 2, 3]])
+  assert dumped[0].output_ids == want[0].output_ids
+  assert list(tmp_path.glob("*prefill*.txt")) and list(tmp_path.glob("*decode*.txt"))
+  assert pipeline.compiler_options(" a=1, b=x=y ,") == {"a": "1", "b": "x=y"}
 
 
 def test_methods_need_the_right_drafter(pair):

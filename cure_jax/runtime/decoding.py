@@ -262,7 +262,19 @@ def lower_sharded(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
   return pre, dec
 
 
-def compile_sharded(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
-  """Compiled (prefill, decode) of lower_sharded."""
+def compile_with(lowered, options: dict[str, str] | None = None):
+  """lowered.compile() with XLA `options`; an option this XLA does not know is a user error."""
+  try:
+    return lowered.compile(options or None)
+  except jax.errors.JaxRuntimeError as e:
+    if "compile option" not in str(e):
+      raise
+    raise ValueError(f"compiler options {options}: {e} (names are XLA DebugOptions fields, "
+                     "e.g. xla_gpu_experimental_force_split_k=1)") from e
+
+
+def compile_sharded(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh,
+                    options: dict[str, str] | None = None):
+  """Compiled (prefill, decode) of lower_sharded, with XLA `options` if given."""
   pre, dec = lower_sharded(graphdef, params, spec, batch, bucket, mesh)
-  return pre.compile(), dec.compile()
+  return compile_with(pre, options), compile_with(dec, options)

@@ -69,7 +69,7 @@ class Generator:
   def __init__(self, target, drafter=None, *, method: str, max_new_tokens: int,
                stop_ids=(), block_size: int | None = None, cure: repair.RepairConfig | None = None,
                max_len: int | None = None, mesh=None, sampling: Sampling = Sampling(),
-               seed: int = 0):
+               seed: int = 0, compiler_options: dict[str, str] | None = None):
     impl = methods.get(method)
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -96,6 +96,9 @@ class Generator:
       sharding.check_models(mesh, self.target, self.drafter)
       self.params = sharding.shard_state(self.params, mesh)
     self.compile_s: dict[tuple, float] = {}
+    # XLA options for this Generator's compiles (e.g. GPU GEMM settings to time against the
+    # defaults); part of the executables' key
+    self.compiler_options = tuple(sorted((compiler_options or {}).items()))
 
   def spec(self, max_len: int) -> Spec:
     return decoding_spec(self.method, self.drafter, self.max_new_tokens, max_len, self.stop_ids,
@@ -118,22 +121,24 @@ class Generator:
   def _executables(self, batch: int, bucket: int, max_len: int):
     """Compiled prefill and decode, shared by every Generator with the same model structure."""
     spec = self.spec(max_len)
-    key = (self.graphdef, spec, batch, bucket, self.mesh)
+    key = (self.graphdef, spec, batch, bucket, self.mesh, self.compiler_options)
+    options = dict(self.compiler_options) or None
     if key not in _EXECUTABLES and self.mesh is not None:
       t0 = time.perf_counter()
       _EXECUTABLES[key] = decoding.compile_sharded(self.graphdef, self.params, spec, batch,
-                                                   bucket, self.mesh)
+                                                   bucket, self.mesh, options)
       self.compile_s[(batch, bucket, max_len)] = time.perf_counter() - t0
     if key not in _EXECUTABLES:
       t0 = time.perf_counter()
       prompt = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
       plen = jax.ShapeDtypeStruct((batch,), jnp.int32)
       rng = jax.eval_shape(jax.random.key, 0)
-      pre = decoding.prefill.lower(self.graphdef, self.params, prompt, plen, rng,
-                                   spec=spec).compile()
+      pre = decoding.compile_with(decoding.prefill.lower(self.graphdef, self.params, prompt,
+                                                         plen, rng, spec=spec), options)
       state = jax.eval_shape(lambda p, l, k: decoding.prefill(self.graphdef, self.params, p, l, k,
                                                               spec=spec), prompt, plen, rng)
-      dec = decoding.decode.lower(self.graphdef, self.params, state, spec=spec).compile()
+      dec = decoding.compile_with(
+          decoding.decode.lower(self.graphdef, self.params, state, spec=spec), options)
       _EXECUTABLES[key] = (pre, dec)
       self.compile_s[(batch, bucket, max_len)] = time.perf_counter() - t0
     return _EXECUTABLES[key]

@@ -168,6 +168,15 @@ def repair_config(config, block_size: int) -> repair.RepairConfig:
   return repair.RepairConfig(**c)
 
 
+def compiler_options(pairs) -> dict[str, str]:
+  """XLA options from 'name=value,name=value' (a config string) or a list of 'name=value'."""
+  items = [p.strip() for p in (pairs.split(",") if isinstance(pairs, str) else pairs) if p.strip()]
+  bad = [p for p in items if "=" not in p]
+  if bad:
+    raise ValueError(f"compiler_options takes name=value pairs, not {bad}")
+  return dict(p.split("=", 1) for p in items)
+
+
 def make_generator(config, target, drafter, stops=(), method: str | None = None) -> Generator:
   method = method or config.method
   impl = methods.get(method)
@@ -178,7 +187,8 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
                    cure=repair_config(config, block) if impl.tree_config else None,
                    max_len=int(config.max_len) or None, mesh=mesh_of(config),
                    sampling=Sampling(float(config.temperature), int(config.top_k),
-                                     float(config.top_p)), seed=int(config.seed))
+                                     float(config.top_p)), seed=int(config.seed),
+                   compiler_options=compiler_options(config.compiler_options))
 
 
 def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,
