@@ -223,8 +223,7 @@ def gpu_setup(topology: str) -> str | None:
   jax starts."""
   if not gpu_targets.parse(topology):
     return None
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if not jax.config.jax_platforms:  # jax read the environment when it was imported, above
+  if not jax.config.jax_platforms:  # jax read JAX_PLATFORMS when it was imported, above
     jax.config.update("jax_platforms", "cpu")
   where = tempfile.mkdtemp(prefix="cure_jax_gpu_dump_")
   atexit.register(shutil.rmtree, where, True)   # hundreds of MB a run; --dump_hlo keeps HLO

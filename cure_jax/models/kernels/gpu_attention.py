@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec as P
 
-from cure_jax.models.axes import DATA, MODEL
+from cure_jax.models.kernels import blocks
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _KEYS = 64        # cache slots per step of a program's loop
@@ -142,39 +141,28 @@ def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = 
 
 
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool = False):
-  """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel.
-
-  The A blocks' rows share a program (rows = A x T), so the cache is read once for all of them;
-  their new tokens are laid side by side under a block-diagonal mask. Under a mesh
-  (`jax.set_mesh`) the kernel runs per shard: batch rows over `data`, KV heads over `model`, as
-  the caches are laid out (sharding.CACHE_SPEC), so no collective is added.
-  """
-  b, a, t, h, d = q.shape
-  kvh, s, u = k_old.shape[1], k_old.shape[2], k_new.shape[2]
-  g, r = h // kvh, a * t
+  """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel,
+  with the rows and shards of `blocks`."""
+  a, t = q.shape[1:3]
+  kvh, r = k_old.shape[1], a * t
   rows = ((0, 0), (0, -r % _ROWS), (0, 0))                 # pad A x T rows to whole row blocks
-  n = _pow2_at_least_16(a * u)
-  qk = q.reshape(b, a, t, kvh, g, d).transpose(0, 3, 4, 1, 2, 5).reshape(b, kvh, g, r, d)
-  qk = jnp.pad(qk, ((0, 0),) * 2 + rows)                                  # [B, KVH, G, R', D]
-  mask = jnp.broadcast_to(mask_old, (b, a, t, s)).reshape(b, r, s)     # callers share it over A
-  hi = jnp.max(jnp.where(mask, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=(1, 2))  # [B]
+  qk = jnp.pad(blocks.query_rows(q, kvh), ((0, 0),) * 2 + rows)           # [B, KVH, G, R', D]
+  mask = blocks.cache_mask(mask_old, a, t)                                # [B, A*T, S]
+  slot = jnp.arange(1, mask.shape[-1] + 1, dtype=jnp.int32)
+  hi = jnp.max(jnp.where(mask, slot, 0), axis=(1, 2))                     # [B] last visible + 1
   mask = jnp.pad(mask, rows).astype(jnp.int8)                             # [B, R', S]
-  kn, vn = (jnp.pad(x.transpose(0, 3, 1, 2, 4).reshape(b, kvh, a * u, d),
-                    ((0, 0), (0, 0), (0, n - a * u), (0, 0))) for x in (k_new, v_new))
-  own = jnp.eye(a, dtype=bool)[None, :, None, :, None]                     # [1, A, 1, A, 1]
-  mn = (jnp.broadcast_to(mask_new, (b, a, t, u))[:, :, :, None, :] & own).reshape(b, r, a * u)
-  mn = jnp.pad(mn, (rows[0], rows[1], (0, n - a * u))).astype(jnp.int8)   # [B, R', N]
-  call = functools.partial(kernel_call, interpret=interpret)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    heads, batch = P(DATA, MODEL), P(DATA)
-    call = jax.shard_map(call, mesh=mesh, out_specs=(heads, heads, heads), check_vma=False,
-                         in_specs=(batch, heads, heads, heads, batch, heads, heads, batch))
+  kn, vn, mn = blocks.new_tokens(k_new, v_new, mask_new, t)
+  pad = _pow2_at_least_16(kn.shape[2]) - kn.shape[2]
+  kn, vn = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (kn, vn))  # [B, KVH, N, D]
+  mn = jnp.pad(mn, (rows[0], rows[1], (0, pad))).astype(jnp.int8)         # [B, R', N]
+  heads, batch = blocks.HEADS, blocks.BATCH
+  call = blocks.per_shard(functools.partial(kernel_call, interpret=interpret),
+                          (batch, heads, heads, heads, batch, heads, heads, batch),
+                          (heads, heads, heads))
   acc, top, total = call(hi, qk, k_old, v_old, mask, kn, vn, mn)  # [B, KVH, J, G, R', (D)]
   # merge the J ranges by their maxima, reading the real rows only (one of 16 for a single query)
   acc, top, total = acc[:, :, :, :, :r], top[..., :r], total[..., :r]
   w = jnp.exp(top - top.max(axis=2, keepdims=True))                      # [B, KVH, J, G, R]
   den = (w * total).sum(axis=2)
   out = (w[..., None] * acc).sum(axis=2) / jnp.where(den > 0, den, 1.0)[..., None]
-  out = out.reshape(b, kvh, g, a, t, d)                                  # [B, KVH, G, A, T, D]
-  return out.transpose(0, 3, 4, 1, 2, 5).reshape(b, a, t, h, d).astype(q.dtype)
+  return blocks.block_rows(out, a, t).astype(q.dtype)                    # [B, A, T, H, D]

@@ -7,8 +7,8 @@ per layer, 0.9 GB an iteration for CURE's verification at batch 1 (WORKSPACE.md,
 This Pallas kernel streams the cache through VMEM in blocks of keys with an online softmax (as
 flash attention does), so HBM sees the queries, the cache, the masks and the output only.
 
-Layout: the A independent blocks' rows share a kernel instance (rows = A x T), so the cache is
-read once for all of them; their new tokens are laid side by side with a block-diagonal mask.
+Layout: `blocks` (the A independent blocks' rows share a kernel instance, so the cache is read
+once for all of them; their new tokens are laid side by side with a block-diagonal mask).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import PartitionSpec as P
 
-from cure_jax.models.axes import DATA, MODEL
+from cure_jax.models.kernels import blocks
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _LANES = 128
@@ -110,32 +109,16 @@ def kernel_call(q, k_old, v_old, mask_old, k_new, v_new, mask_new, *, interpret:
 
 
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool = False):
-  """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel.
-
-  Under a mesh (`jax.set_mesh`) the kernel runs per shard: batch rows over `data`, KV heads over
-  `model`, as the caches are laid out (sharding.CACHE_SPEC), so no collective is added.
-  """
-  b, a, t, h, d = q.shape
-  kvh = k_old.shape[1]
-  u = k_new.shape[2]
-  qk = q.reshape(b, a, t, kvh, h // kvh, d).transpose(0, 3, 4, 1, 2, 5)     # [B, KVH, G, A, T, D]
-  qk = qk.reshape(b, kvh, h // kvh, a * t, d)
-  pad = -(a * u) % _SUBLANES        # whole sublanes of new tokens (Mosaic cannot broadcast 1)
-  kn, vn = (jnp.pad(x.transpose(0, 3, 1, 2, 4).reshape(b, kvh, a * u, d), ((0, 0),) * 2 +
-                    ((0, pad), (0, 0))) for x in (k_new, v_new))         # [B, KVH, N, D]
-  s = k_old.shape[2]
-  mask_old = jnp.broadcast_to(mask_old, (b, a, t, s))    # callers may share one mask over A
-  mask_new = jnp.broadcast_to(mask_new, (b, a, t, u))
-  mo = mask_old.reshape(b, a * t, s).astype(jnp.int8)                      # [B, A*T, S]
-  own = jnp.eye(a, dtype=bool)[None, :, None, :, None]                     # [1, A, 1, A, 1]
-  mn = (mask_new[:, :, :, None, :] & own).reshape(b, a * t, a * u)
+  """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel,
+  with the rows and shards of `blocks`."""
+  a, t = q.shape[1:3]
+  kn, vn, mn = blocks.new_tokens(k_new, v_new, mask_new, t)
+  pad = -kn.shape[2] % _SUBLANES    # whole sublanes of new tokens (Mosaic cannot broadcast 1)
+  kn, vn = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (kn, vn))  # [B, KVH, N, D]
   mn = jnp.pad(mn, ((0, 0), (0, 0), (0, pad))).astype(jnp.int8)            # [B, A*T, N]
-  call = functools.partial(kernel_call, interpret=interpret)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    heads, rows = P(DATA, MODEL), P(DATA)
-    call = jax.shard_map(call, mesh=mesh, in_specs=(heads, heads, heads, rows, heads, heads, rows),
-                         out_specs=heads, check_vma=False)
-  out = call(qk, k_old, v_old, mo, kn, vn, mn)                              # [B, KVH, G, A*T, D]
-  out = out.reshape(b, kvh, h // kvh, a, t, d).transpose(0, 3, 4, 1, 2, 5)
-  return out.reshape(b, a, t, h, d)
+  mo = blocks.cache_mask(mask_old, a, t).astype(jnp.int8)                  # [B, A*T, S]
+  heads, batch = blocks.HEADS, blocks.BATCH
+  call = blocks.per_shard(functools.partial(kernel_call, interpret=interpret),
+                          (heads, heads, heads, batch, heads, heads, batch), heads)
+  out = call(blocks.query_rows(q, k_old.shape[1]), k_old, v_old, mo, kn, vn, mn)
+  return blocks.block_rows(out, a, t)                                      # [B, A, T, H, D]

@@ -1,0 +1,56 @@
+"""How `layers.attend`'s contract becomes a kernel's rows, for the TPU and GPU kernels alike.
+
+A KV head's G query heads and all A blocks' T rows share a kernel program (rows = A x T), so the
+cache is read once for all of them; the blocks' new tokens are laid side by side, and a
+block-diagonal mask keeps each block's rows on its own. Under a mesh a kernel runs per shard:
+batch rows over `data`, KV heads over `model`, as the caches are laid out (sharding.CACHE_SPEC),
+so no collective is added.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from cure_jax.models.axes import DATA, MODEL
+
+HEADS, BATCH = P(DATA, MODEL), P(DATA)     # a kernel operand split by KV heads, or by batch only
+
+
+def query_rows(q, kvh: int):
+  """q [B, A, T, H, D] -> [B, KVH, G, A*T, D]."""
+  b, a, t, h, d = q.shape
+  q = q.reshape(b, a, t, kvh, h // kvh, d).transpose(0, 3, 4, 1, 2, 5)    # [B, KVH, G, A, T, D]
+  return q.reshape(b, kvh, h // kvh, a * t, d)
+
+
+def block_rows(out, a: int, t: int):
+  """query_rows' inverse: [B, KVH, G, A*T, D] -> [B, A, T, H, D]."""
+  b, kvh, g, _, d = out.shape
+  out = out.reshape(b, kvh, g, a, t, d).transpose(0, 3, 4, 1, 2, 5)
+  return out.reshape(b, a, t, kvh * g, d)
+
+
+def cache_mask(mask_old, a: int, t: int):
+  """mask_old [B, A or 1, T, S] (callers may share one over A) -> [B, A*T, S]."""
+  b, s = mask_old.shape[0], mask_old.shape[-1]
+  return jnp.broadcast_to(mask_old, (b, a, t, s)).reshape(b, a * t, s)
+
+
+def new_tokens(k_new, v_new, mask_new, t: int):
+  """k_new/v_new [B, A, U, KVH, D] -> [B, KVH, A*U, D] side by side; mask_new [B, A or 1, T, U]
+  -> [B, A*T, A*U], block-diagonal."""
+  b, a, u, kvh, d = k_new.shape
+  kn, vn = (x.transpose(0, 3, 1, 2, 4).reshape(b, kvh, a * u, d) for x in (k_new, v_new))
+  own = jnp.eye(a, dtype=bool)[None, :, None, :, None]                     # [1, A, 1, A, 1]
+  mn = jnp.broadcast_to(mask_new, (b, a, t, u))[:, :, :, None, :] & own    # [B, A, T, A, U]
+  return kn, vn, mn.reshape(b, a * t, a * u)
+
+
+def per_shard(call, in_specs: tuple, out_specs):
+  """`call` per shard of the current mesh (jax.set_mesh), or as it is without one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return call
+  return jax.shard_map(call, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
