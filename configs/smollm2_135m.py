@@ -18,7 +18,7 @@ def get_config():
   config.check_ar = True            # the default run also shows it equals target-only decoding
   # Best measured tree strategy for this drafter (trees table, held-out HumanEval 0-15, 48
   # tokens): ddtree at v_max 32 tau 2.149 vs cure earliest 1.938 at the same node budget and
-  # one drafter pass instead of two; chain 1.660 (WORKSPACE.md, issue 15).
+  # one drafter pass instead of two; chain 1.660 (WORKSPACE.md, "2026-12-01 — Tree strategies side by side").
   config.method = "ddtree"
   config.cure.tau_margin = 1.0
   # Best measured gate rule here (sweep, HumanEval 0-11, 64 tokens): tau chain 1.662, margin

@@ -4,6 +4,9 @@ The parts, from the bottom up; each imports only from the ones above it in this 
 
   models/    Flax NNX modules: Qwen3/Llama targets, the DFlash block drafter, the KV cache,
              the mesh axis names; models/kernels/: attention kernels per platform.
+  checkpoints/  HF safetensors, orbax and GGUF checkpoints in and out of those modules.
+  costs/     what a step costs on a device: the efficiency model, device figures and roofline,
+             compile-only GPU targets, the HLO traffic and launch counters.
   tree/      the static-shape candidate tree and its verification: the uncertainty gate and
              repair paths, best-first growth, greedy and lossless-sampling verification, the
              online budget.
@@ -14,6 +17,7 @@ The parts, from the bottom up; each imports only from the ones above it in this 
   training/  DFlash drafter data (target features) and training.
   analysis/  diagnostics, the repair-utility scorer, iteration replay, pictures, random models.
 
-`convert/` (checkpoints <-> params) sits beside this package and imports models/ only;
-`experiments/` holds the entry points that drive all of it.
+checkpoints/ and costs/ sit side by side (each imports models/ at most). Entry points live
+outside the package: `convert/` (checkpoint conversion commands) and `experiments/` (decoding,
+benchmarks, compiles, training) drive all of it.
 """

@@ -8,7 +8,7 @@ For each method (ar, chain, cure at each v_max) and batch this compiles prefill 
 loop exactly as `experiments.decode` would (`decoding.lower_sharded`), plus a 1-token target
 forward, and records compile seconds, per-chip memory, collectives, fusions, XLA's cost
 analysis and an independent count of the HBM traffic of one loop iteration
-(`experiments.hlo_traffic`), weights apart.
+(`cure_jax.costs.hlo_traffic`), weights apart.
 
   python -m experiments.aot --config=configs/qwen3_8b.py --topology=v5e:2x2 --config.mesh.model=4
   python -m experiments.aot --config=configs/qwen3_8b.py --topology=cpu --config.dtype=float32 \
@@ -41,13 +41,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
-from convert import dflash as convert_dflash, qwen3 as convert_qwen3
-from convert.checkpoint import read_hf_config
+from cure_jax.checkpoints import dflash as convert_dflash, qwen3 as convert_qwen3
+from cure_jax.checkpoints.store import read_hf_config
 from cure_jax import methods
 from cure_jax.runtime import decoding, errors, pipeline, sharding
 from cure_jax.models.cache import KVCache
 from cure_jax.runtime.generation import decoding_spec
-from experiments import gpu_launches, gpu_targets, hlo_traffic, report
+from cure_jax.costs import gpu_targets, hlo_traffic, launches
+from cure_jax.analysis import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_8b.py",
                                           "decoding config (dtype, mesh, cure settings)")
@@ -237,7 +238,7 @@ def launch_counts(dump: str, program: str) -> dict | None:
   module = "jit_start" if program == "prefill" else "jit_run"
   found = sorted(Path(dump).glob(f"*.{module}.thunk_sequence_after_thunk_passes.txt"),
                  key=lambda p: p.stat().st_mtime)
-  return gpu_launches.count(found[-1].read_text()) if found else None
+  return launches.count(found[-1].read_text()) if found else None
 
 
 def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = None,
@@ -344,7 +345,7 @@ def markdown(meta: dict, records: list[dict]) -> str:
        "HBM / (W + KV)", "HBM / chain min"], rows))
   lines += ["", "Per iteration of the decode loop (one pass of prefill / forward). XLA's figures "
             "are its cost analysis of the whole module; HBM GB counts the HBM side of each "
-            "top-level op of the optimized HLO (experiments/hlo_traffic.py): on-chip buffers and "
+            "top-level op of the optimized HLO (cure_jax/costs/hlo_traffic.py): on-chip buffers and "
             "the parts of operands that slices do not read are not counted, which is why it is "
             "below XLA's bytes accessed.", ""]
   return "\n".join(lines) + "\n"

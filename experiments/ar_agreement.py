@@ -20,8 +20,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from cure_jax.runtime import errors, pipeline, prompts as prompts_lib
-from experiments import report
-from experiments.bench import common_prefix
+from cure_jax.analysis import report
+from experiments.tables.bench import common_prefix
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file (target, prompts)")

@@ -56,7 +56,7 @@ def main(argv):
       path = _random_qwen3_dir(tmp)
     elif path.startswith("embedded:"):
       path = pipeline._embedded()[path]()
-    from convert.qwen3 import load_target
+    from cure_jax.checkpoints.qwen3 import load_target
     target = load_target(path, jnp.float32, progress=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, target.cfg.vocab_size - 10, 32).tolist()

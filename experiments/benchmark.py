@@ -25,12 +25,12 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from cure_jax.runtime import errors, pipeline, prompts as prompts_lib
-from experiments import table4, table_sweep, tables
-from experiments.bench import Bench
+from experiments.tables import registry, sweep, table4
+from experiments.tables.bench import Bench
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file")
-_TABLE = flags.DEFINE_string("table", "1", f"table to run: {', '.join(tables.TABLES)}, a "
+_TABLE = flags.DEFINE_string("table", "1", f"table to run: {', '.join(registry.TABLES)}, a "
                              "comma-separated list (sharing decodes) or all")
 _RESULTS = flags.DEFINE_string("results", "results", "output folder")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "first N prompts (default: "
@@ -42,7 +42,7 @@ _AR_DRAFTER = flags.DEFINE_string("ar_drafter", "embedded:smollm2_ar_drafter",
                                   "'' to skip")
 _SCORER_TAU = flags.DEFINE_float("scorer_tau", None, "table 5: gate threshold of the cure run "
                                  "(default config.cure.tau_margin)")
-_SWEEP_FACTORS = flags.DEFINE_multi_enum("sweep_factors", None, list(table_sweep.SWEEP_GRID),
+_SWEEP_FACTORS = flags.DEFINE_multi_enum("sweep_factors", None, list(sweep.SWEEP_GRID),
                                          "sweep: the factors to vary (default: all)")
 _TABLE4_PROBLEMS = flags.DEFINE_integer("table4_problems", table4.TABLE4_PROBLEMS,
                                         "table 4: the first N problems")
@@ -78,10 +78,10 @@ def _ar_drafter(config, target):
 
 def main(argv):
   del argv
-  bad = [n for n in _TABLE.value.split(",") if n.strip() not in (*tables.TABLES, "all")]
+  bad = [n for n in _TABLE.value.split(",") if n.strip() not in (*registry.TABLES, "all")]
   if bad:
     raise app.UsageError(f"--table={_TABLE.value!r}: unknown {bad}; choose from "
-                         f"{', '.join(tables.TABLES)} (comma-separated) or all")
+                         f"{', '.join(registry.TABLES)} (comma-separated) or all")
   config = _CONFIG.value
   with config.unlocked():
     if _NUM_PROMPTS.value is not None:
@@ -108,7 +108,7 @@ def main(argv):
                 results_dir=_RESULTS.value, ar_drafter=ar_drafter, ar_drafter_note=note,
                 target_dir=target_dir, drafter_dir=drafter_dir, warmup=_WARMUP.value,
                 progress=_PROGRESS.value, reuse_raw=_REUSE_RAW.value)
-  tables.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value,
+  registry.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value,
                     sweep_factors=_SWEEP_FACTORS.value, table4_problems=_TABLE4_PROBLEMS.value,
                     table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value)
   print(f"results in {Path(_RESULTS.value).resolve()}")

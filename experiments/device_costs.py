@@ -25,7 +25,7 @@ from cure_jax.runtime.generation import Generator
 from cure_jax.models.dflash import DFlash, DFlashConfig
 from cure_jax.models.layers import Rope
 from cure_jax.models.qwen3 import ModelConfig, Qwen3
-from experiments import cost_model
+from cure_jax.costs import efficiency
 
 _SMALL = flags.DEFINE_bool("small", False, "a scaled-down model (for a CPU check of the script)")
 _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", 4800.0, "device memory bandwidth, GB/s (H200: "
@@ -36,7 +36,7 @@ _OUTPUT = flags.DEFINE_string("output", "", "JSON path")
 _PROJECTION = flags.DEFINE_string("projection", "", "experiments.projection JSON: print the "
                                   "projected ms per iteration of this device beside the measured")
 
-# jax device_kind prefixes -> experiments.roofline.DEVICES keys
+# jax device_kind prefixes -> cure_jax.costs.roofline.DEVICES keys
 _KINDS = (("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v6", "v6e"), ("TPU v5", "v5p"),
           ("NVIDIA A100", "A100"), ("NVIDIA H100", "H100"), ("NVIDIA H200", "H200"),
           ("NVIDIA B200", "B200"))
@@ -97,7 +97,7 @@ def main(argv):
   drafter = DFlash(dcfg, jnp.bfloat16, rngs=nnx.Rngs(1))
   init_s = time.perf_counter() - t0
   n_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(target)))
-  costs = cost_model.measure(target, drafter, context=_CONTEXT.value, num_paths=5,
+  costs = efficiency.measure(target, drafter, context=_CONTEXT.value, num_paths=5,
                              feature_layers=dcfg.feature_layers)
   loops = {}
   for method in ("ar", "chain", "cure"):

@@ -4,7 +4,7 @@ Per iteration and chip, time = max(HBM bytes / HBM bandwidth, FLOPs / bf16 peak)
 from the count of the optimized HLO, not a measurement. TPU figures come from TPU compiles of
 the sharded program (per chip). GPU figures come from GPU compiles (`--gpu`, XLA's GPU
 compiler, bf16, per GPU) plus a launch term: the host launches per iteration (kernels outside
-CUDA graphs, one per graph; experiments/gpu_launches.py) times `--launch_us`. XLA's GPU compiler
+CUDA graphs, one per graph; cure_jax/costs/launches.py) times `--launch_us`. XLA's GPU compiler
 gives no cost analysis, so their FLOPs are the weights' 2 x parameters x tokens per iteration
 (target: batch x tree nodes; drafter: batch x block size). Without GPU compiles, `--cpu` takes
 the CPU backend's float32 program with bytes halved for bf16. TPOT = iteration time / τ;
@@ -22,8 +22,9 @@ from absl import app, flags
 
 from cure_jax import methods
 from cure_jax.runtime import errors, pipeline
-from experiments import report, roofline
-from experiments.roofline import (DEVICES, GPUS, PAPER_TAU, SHARES, decode_records, device_of,
+from cure_jax.costs import roofline
+from cure_jax.analysis import report
+from cure_jax.costs.roofline import (DEVICES, GPUS, PAPER_TAU, SHARES, decode_records, device_of,
                                   project)
 
 _TPU = flags.DEFINE_list("tpu", [], "aot JSON files of TPU compiles (per-chip counts)")

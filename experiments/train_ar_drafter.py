@@ -31,7 +31,7 @@ import optax
 from absl import app, flags
 from flax import nnx
 
-from convert import checkpoint, qwen3 as convert_qwen3
+from cure_jax.checkpoints import qwen3 as convert_qwen3, store
 from cure_jax.runtime import default_model, errors
 from cure_jax.training import data as drafter_data
 from cure_jax.training.batches import Data
@@ -178,11 +178,11 @@ def evaluate(model: Qwen3, data: Data, gamma: int) -> dict:
 
 def export(model: Qwen3, out_dir: str, target_dir: str, info: dict) -> None:
   """Writes the HF Llama directory (bfloat16) and training.json, then renames it into place."""
-  config = checkpoint.read_hf_config(target_dir)
+  config = store.read_hf_config(target_dir)
   config.update(num_hidden_layers=model.cfg.num_layers, torch_dtype="bfloat16")
   dest = Path(out_dir).resolve()
   tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-  checkpoint.export_hf(nnx.state(model, nnx.Param), tmp, convert_qwen3.hf_name, config,
+  store.export_hf(nnx.state(model, nnx.Param), tmp, convert_qwen3.hf_name, config,
                        dtype=jnp.bfloat16)
   (tmp / "training.json").write_text(json.dumps(info, indent=1) + "\n")
   os.replace(tmp, dest)

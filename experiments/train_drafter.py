@@ -42,7 +42,7 @@ _STAGE = flags.DEFINE_enum("stage", "train", ["data", "rebuild", "train", "expor
 
 def generate_data(config) -> dict:
   """Writes the target's responses to config.generate.prompts, with features, as shards."""
-  from convert.qwen3 import load_target
+  from cure_jax.checkpoints.qwen3 import load_target
   from cure_jax.training import data as drafter_data
   from cure_jax.runtime import prompts as prompts_lib
 
@@ -70,7 +70,7 @@ def generate_data(config) -> dict:
 
 def rebuild_data(config) -> int:
   """Recomputes config.generate.out from the responses file by a teacher-forced pass."""
-  from convert.qwen3 import load_target
+  from cure_jax.checkpoints.qwen3 import load_target
   from cure_jax.training import data as drafter_data
 
   g = config.generate
@@ -85,8 +85,8 @@ def rebuild_data(config) -> int:
 
 def measure(config) -> dict:
   """Chain and cure tau on HumanEval 0..n-1 with our decoder; checks outputs against target AR."""
-  from convert.dflash import load_drafter
-  from convert.qwen3 import load_target
+  from cure_jax.checkpoints.dflash import load_drafter
+  from cure_jax.checkpoints.qwen3 import load_target
   from cure_jax.runtime import prompts as prompts_lib
   from cure_jax.tree import repair
   from cure_jax.runtime.generation import Generator

@@ -46,7 +46,8 @@ V_MAX = 32
 #   without the GPU attention kernel (e8f927a; XLA's scores in HBM):
 #     ar 0.986 x (W + KV), chain 1.171 x its minimum, ddtree 1.183 x chain, cure v32 1.485 x chain;
 #   with it (new tokens in the kernel too): ar 0.983, chain 1.008, ddtree 1.079, cure v32 1.316.
-# Qwen3-8B + DFlash-b16, H100, batch 1, max_len 4096 (WORKSPACE.md, session 13), with the kernel:
+# Qwen3-8B + DFlash-b16, H100, batch 1, max_len 4096 (WORKSPACE.md, "2026-12-03 — Issue 25: the GPU
+# attention kernel"), with the kernel:
 #   ar 1.006 x (W + KV), chain 1.038 x its minimum, ddtree 1.073 x chain, cure v32 1.258 x chain.
 AR_OVER_WEIGHTS_AND_KV = 1.2     # the issue's bound, fixed
 CHAIN_OVER_CHAIN_MINIMUM = 1.06  # measured 1.008, +5%

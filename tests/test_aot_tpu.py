@@ -26,7 +26,8 @@ LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "cure_jax_libtpu.lock"
 # a 2048-slot cache of ~25 MB per chip: one relayout copy of it per iteration breaks the bound.
 # (At this size XLA stages each layer's cache in on-chip memory beside the attention kernel and
 # writes it back, 2x the cache an iteration; at 4096 slots that alone reached 1.21x the weights.
-# For Qwen3-8B it reads the cache once: WORKSPACE.md, session 7.)
+# For Qwen3-8B it reads the cache once: WORKSPACE.md, "2026-12-01 — TPU attention as one
+# Pallas kernel per layer".)
 MAX_LEN = 2048
 ARCH = random_models.Arch(vocab=32768, hidden=2048, layers=12, heads=16, kv_heads=8,
                           head_dim=128, draft_layers=2, block_size=8, target_layer_ids=(1, 10))

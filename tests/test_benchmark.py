@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from configs import common
-from experiments import (humaneval_exec, table1, table3, table4, table5, table_diagnostic,
-                         table_peers, table_sweep)
-from experiments.bench import Bench, Variant, after_wins, prompt_batches, run_variants
+from experiments import humaneval_exec
+from experiments.tables import diagnostic, peers, sweep, table1, table3, table4, table5
+from experiments.tables.bench import Bench, Variant, after_wins, prompt_batches, run_variants
 from cure_jax.analysis import random_models
 
 ARCH = random_models.Arch()
@@ -113,7 +113,7 @@ def test_table5_and_diagnostic(bench):
                                     for s in kept)
   assert t5["train"]["blocks"] + t5["test"]["blocks"] == t5["gated_blocks"]
 
-  table_diagnostic.diagnostic(bench)
+  diagnostic.diagnostic(bench)
   d = _load(bench, "diagnostic")
   chain = _raw(bench, "chain")
   assert d["blocks"] == sum(len(r["stats"]) - 1 for r in chain)
@@ -144,7 +144,7 @@ def test_table4(bench):
 
 def test_sweep(bench):
   # Base settings only (already compiled): two labels, one decode; plus the cost curves.
-  table_sweep.table_sweep(bench, grid=dict(tau_margin=(3.0,), select=("margin",)), repeats=1,
+  sweep.table_sweep(bench, grid=dict(tau_margin=(3.0,), select=("margin",)), repeats=1,
                           nodes=(1, 4, 8))
   sw = _load(bench, "sweep")
   rows = {r["variant"]: r for r in sw["rows"]}
@@ -162,7 +162,7 @@ def test_sweep(bench):
 
 
 def test_peers_without_hf_directories(bench):
-  table_peers.table_peers(bench)  # no HF directories: ours only, peers skipped with a note
+  peers.table_peers(bench)  # no HF directories: ours only, peers skipped with a note
   peers = _load(bench, "peers")
   assert [r["system"] for r in peers["rows"]] == ["cure_jax ar", "cure_jax chain", "cure_jax cure"]
   assert peers["notes"] and all(r["equal_to_our_ar"] == NUM_PROMPTS for r in peers["rows"])
@@ -179,7 +179,7 @@ def test_ar_bound_against_transformers():
   matrix-vector speed (the floor stretches by read / gemv bandwidth)."""
   rows = [dict(system="cure_jax ar", tpot_ms=30.0),
           dict(system="transformers generate (torch fp32)", tpot_ms=60.0)]
-  bound = table_peers._ar_bound(rows, 15.0, dict(gbytes_per_s=30.0, gemv_gbytes_per_s=20.0))
+  bound = peers._ar_bound(rows, 15.0, dict(gbytes_per_s=30.0, gemv_gbytes_per_s=20.0))
   assert bound == dict(measured=2.0, at_read_floor=4.0, at_gemv_floor=60.0 / 22.5)
 
 
@@ -211,22 +211,22 @@ def test_roofline_floors(bench):
   each parameter once (4 bytes in float32) and spends 2 FLOPs per parameter per node, except an
   untied input embedding, of which only the gathered rows are touched."""
   from flax import nnx
-  from experiments import cost_model
+  from cure_jax.costs import efficiency
   target, drafter = bench.target, bench.drafter
   params = sum(x.size for x in __import__("jax").tree.leaves(nnx.state(target, nnx.Param)))
   embed = target.cfg.vocab_size * target.cfg.hidden_size
   params -= 0 if target.cfg.tie_embeddings else embed
   memory_bound = dict(gflops=1e9, gbytes_per_s=1.0)
   compute_bound = dict(gflops=1.0, gbytes_per_s=1e9)
-  f = cost_model.floors_ms(target, drafter, memory_bound, {"ar": 1, "chain": 8})
+  f = efficiency.floors_ms(target, drafter, memory_bound, {"ar": 1, "chain": 8})
   assert f["ar"]["verify_ms"] == pytest.approx(1000 * 4 * params / 1e9)
   assert f["chain"]["verify_ms"] == pytest.approx(f["ar"]["verify_ms"])  # weights read once
-  f = cost_model.floors_ms(target, drafter, compute_bound, {"ar": 1, "chain": 8, "cure": 8},
+  f = efficiency.floors_ms(target, drafter, compute_bound, {"ar": 1, "chain": 8, "cure": 8},
                            repair_paths=2, repair_rows=2 * (drafter.cfg.block_size - 1))
   assert f["ar"]["verify_ms"] == pytest.approx(1000 * 2 * params / 1e9)
   assert f["chain"]["verify_ms"] == pytest.approx(8 * f["ar"]["verify_ms"])
   assert f["cure"]["draft_ms"] == pytest.approx(3 * f["chain"]["draft_ms"])  # 2 full re-drafts
-  fewer_rows = cost_model.floors_ms(target, drafter, compute_bound, {"cure": 8}, repair_paths=2,
+  fewer_rows = efficiency.floors_ms(target, drafter, compute_bound, {"cure": 8}, repair_paths=2,
                                     repair_rows=1)["cure"]["draft_ms"]
   head_row_ms = 1000 * 2 * embed / 1e9
   assert fewer_rows == pytest.approx(f["cure"]["draft_ms"] - (2 * (drafter.cfg.block_size - 1) - 1)
@@ -268,7 +268,7 @@ def test_accepted_length_after_a_repair_win():
 
 
 def test_trees_table(bench):
-  from experiments.table_trees import table_trees
+  from experiments.tables.trees import table_trees
   # 4 < block size: skipped; 6 = branch 0's nodes: ddtree only; 12: every strategy.
   table_trees(bench, budgets=(4, 6, 12), repeats=1)
   tr = _load(bench, "trees")

@@ -1,4 +1,4 @@
-"""convert.checkpoint / convert.qwen3: exact round trips, bounded memory, clear failures."""
+"""cure_jax.checkpoints (store, qwen3) and `python -m convert.qwen3`: exact round trips, bounded memory, clear failures."""
 
 import json
 import os
@@ -17,8 +17,8 @@ import torch
 from flax import nnx
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from convert import checkpoint
-from convert.qwen3 import convert_hf, export_hf, load_target
+from cure_jax.checkpoints import store
+from cure_jax.checkpoints.qwen3 import convert_hf, export_hf, load_target
 from tests.test_qwen3_parity import random_hf_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def save_hf(path: Path, tied: bool = False, dtype=torch.float32) -> Path:
 
 def read_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
   tensors = {}
-  for file in checkpoint.safetensors_files(hf_dir):
+  for file in store.safetensors_files(hf_dir):
     tensors.update(safetensors.numpy.load_file(file))
   return tensors
 
@@ -48,7 +48,7 @@ def assert_same_hf_dirs(src: Path, dst: Path) -> None:
   for name in a:
     assert (a[name].dtype, a[name].shape) == (b[name].dtype, b[name].shape), name
     assert a[name].tobytes() == b[name].tobytes(), name
-  assert checkpoint.read_hf_config(src) == checkpoint.read_hf_config(dst)
+  assert store.read_hf_config(src) == store.read_hf_config(dst)
   assert (dst / "tokenizer_config.json").read_text() == TOKENIZER_CONFIG
 
 
@@ -69,9 +69,9 @@ def hf_src(tmp_path_factory) -> Path:
 def test_hf_roundtrip_is_bit_exact(tmp_path, tied, dtype, num_shards):
   src = save_hf(tmp_path / "src", tied, getattr(torch, dtype))
   ckpt = convert_hf(src, tmp_path / "ckpt", dtype, progress=False)
-  assert checkpoint.read_metadata(ckpt) == {"kind": "target", "dtype": dtype}
+  assert store.read_metadata(ckpt) == {"kind": "target", "dtype": dtype}
   dst = export_hf(ckpt, tmp_path / "dst", num_shards=num_shards)
-  assert len(checkpoint.safetensors_files(dst)) == num_shards
+  assert len(store.safetensors_files(dst)) == num_shards
   assert_same_hf_dirs(src, dst)
 
 
@@ -85,7 +85,7 @@ def test_export_loads_in_transformers(tmp_path, hf_src):
 
 def test_orbax_roundtrip_gives_identical_params(tmp_path, hf_src):
   ckpt = convert_hf(hf_src, tmp_path / "ckpt", "float32", progress=False)
-  assert json.loads((ckpt / "config.json").read_text()) == checkpoint.read_hf_config(hf_src)
+  assert json.loads((ckpt / "config.json").read_text()) == store.read_hf_config(hf_src)
   direct = nnx.state(load_target(hf_src, jnp.float32, progress=False))
   restored = nnx.state(load_target(ckpt, jnp.float32))
   jax.tree.map(np.testing.assert_array_equal, restored, direct)
@@ -102,11 +102,33 @@ def test_cli_converts_and_exports(tmp_path, hf_src):
   assert_same_hf_dirs(hf_src, dst)
 
 
+@pytest.mark.parametrize("args,message", [
+    (("convert.qwen3", "--hf_dir=/nonexistent", "--out=OUT"), "/nonexistent does not exist; pass "
+     "a Hugging Face Qwen3/Llama directory"),
+    (("convert.dflash", "--hf_dir=/nonexistent", "--out=OUT"), "/nonexistent does not exist; pass "
+     "the DFlash drafter's directory"),
+    (("convert.qwen3", "--hf_dir=OUT", "--out=/nonexistent", "--to_hf"), "/nonexistent has no "
+     "cure_jax.json"),
+    (("convert.gguf", "--gguf=/nonexistent.gguf", "--out=OUT"), "/nonexistent.gguf"),
+])
+def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
+  """Every `python -m convert.*` command reports bad input as one `error:` line, exit 2, and
+  writes nothing."""
+  out = tmp_path / "out"
+  args = [a.replace("OUT", str(out)) for a in args]
+  child = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+  assert child.returncode == 2, child.stderr
+  lines = child.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+  assert not out.exists()
+
+
 # ru_maxrss survives exec (a child would report pytest's peak), so read the process's own VmRSS
 # (now) and VmHWM (peak) in KiB from /proc instead.
 _MEASURE = """
 import json, sys
-from convert.qwen3 import convert_hf
+from cure_jax.checkpoints.qwen3 import convert_hf
 def status(key):
   line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
   return int(line.split()[1]) * 1024
@@ -124,7 +146,7 @@ def test_sharded_conversion_holds_the_model_about_once(tmp_path):
                           intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                           num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
   model.save_pretrained(tmp_path / "src", max_shard_size="40MB")
-  assert len(checkpoint.safetensors_files(tmp_path / "src")) == 3
+  assert len(store.safetensors_files(tmp_path / "src")) == 3
   model_bytes = sum(p.numel() * 4 for p in model.parameters())
   del model
   out = run_module("-c", _MEASURE, str(tmp_path / "src"), str(tmp_path / "ckpt")).stdout
@@ -133,7 +155,7 @@ def test_sharded_conversion_holds_the_model_about_once(tmp_path):
   print(f"model {model_bytes / 2**20:.1f} MiB; child RSS {rss['baseline'] / 2**20:.1f} MiB after "
         f"imports, peak {rss['peak'] / 2**20:.1f} MiB (+{growth / 2**20:.1f} MiB)")
   assert growth < 1.6 * model_bytes
-  assert checkpoint.read_metadata(tmp_path / "ckpt") == {"kind": "target", "dtype": "float32"}
+  assert store.read_metadata(tmp_path / "ckpt") == {"kind": "target", "dtype": "float32"}
 
 
 def _rewrite_weights(hf_dir: Path, edit) -> None:
@@ -184,12 +206,12 @@ def test_wrong_kinds_of_directory_are_rejected(tmp_path, hf_src):
   with pytest.raises(ValueError, match="not a checkpoint written by"):
     export_hf(hf_src, tmp_path / "dst")
   ckpt = convert_hf(hf_src, tmp_path / "ckpt", "float32", progress=False)
-  (ckpt / checkpoint.METADATA).write_text(json.dumps({"kind": "dflash", "dtype": "float32"}))
+  (ckpt / store.METADATA).write_text(json.dumps({"kind": "dflash", "dtype": "float32"}))
   with pytest.raises(ValueError, match="holds a converted 'dflash' checkpoint"):
     load_target(ckpt)
   with pytest.raises(FileExistsError, match="already exists and is not empty"):
     convert_hf(hf_src, ckpt, "float32", progress=False)
-  assert checkpoint.read_metadata(ckpt)["kind"] == "dflash"
+  assert store.read_metadata(ckpt)["kind"] == "dflash"
 
 
 def test_failures_leave_no_partial_directory(tmp_path, hf_src, monkeypatch):
@@ -204,7 +226,7 @@ def test_failures_leave_no_partial_directory(tmp_path, hf_src, monkeypatch):
   assert list(tmp_path.iterdir()) == []
 
   ckpt = convert_hf(hf_src, tmp_path / "ckpt", "float32", progress=False)
-  real_save = checkpoint.save_file
+  real_save = store.save_file
   calls = []
 
   def save_once_then_fail(*args, **kwargs):

@@ -22,9 +22,9 @@ from dflash.model import DFlashDraftModel
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from convert import checkpoint
-from convert.dflash import export_hf, load_drafter
-from convert.qwen3 import load_target
+from cure_jax.checkpoints import store
+from cure_jax.checkpoints.dflash import export_hf, load_drafter
+from cure_jax.checkpoints.qwen3 import load_target
 from cure_jax.runtime.generation import Generator
 from tests.dflash_reference import (PairSpec, add_model_prefix, build_pair, reference_block_logits,
                                     reference_features, reference_generate)
@@ -191,12 +191,12 @@ def test_loads_with_and_without_model_prefix(saved, tmp_path):
   prefixed = tmp_path / "prefixed"
   shutil.copytree(saved.drafter_dir, prefixed)
   add_model_prefix(prefixed)
-  assert all(n.startswith("model.") for n in checkpoint.tensor_names(prefixed))
+  assert all(n.startswith("model.") for n in store.tensor_names(prefixed))
   plain = flat_params(load_drafter(saved.drafter_dir, jnp.float32, progress=False))
   assert_same_params(plain, flat_params(load_drafter(prefixed, jnp.float32, progress=False)))
   reference = saved.drafter.state_dict()
   for path, value in plain.items():
-    weight = reference[checkpoint.hf_name(path)].numpy()
+    weight = reference[store.hf_name(path)].numpy()
     assert np.array_equal(value, weight.T if path[-1] == "kernel" else weight), path
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from convert.qwen3 import load_target
+from cure_jax.checkpoints.qwen3 import load_target
 from cure_jax.training import data as drafter_data
 
 LAYER_IDS = (0, 2)              # features: hidden_states[1] and hidden_states[3] (the last)

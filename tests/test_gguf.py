@@ -1,4 +1,4 @@
-"""convert.gguf against transformers' own GGUF loader, on the packaged SmolLM2-135M GGUF.
+"""cure_jax.checkpoints.gguf against transformers' own GGUF loader, on the packaged SmolLM2-135M GGUF.
 
 transformers dequantizes and un-permutes GGUF tensors independently of our code, so equal
 weights and logits mean our names, orientation and Q/K un-permutation are right.
@@ -14,8 +14,8 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from convert import gguf as convert_gguf_module
-from convert.gguf import convert_gguf, default_smollm2_gguf
+from cure_jax.checkpoints import gguf as convert_gguf_module
+from cure_jax.checkpoints.gguf import convert_gguf, default_smollm2_gguf
 
 _NEEDS_ACCELERATE = "transformers needs accelerate to load a GGUF as a reference model"
 _PROMPT = "The capital of France is"

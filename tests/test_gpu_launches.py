@@ -1,7 +1,7 @@
 """Kernels and host launches per iteration from XLA GPU's thunk-sequence dump
-(experiments/gpu_launches.py), on hand-written dumps whose counts are known."""
+(cure_jax/costs/launches.py), on hand-written dumps whose counts are known."""
 
-from experiments import gpu_launches
+from cure_jax.costs import launches
 
 # The layout XLA prints: a top-level loop whose `condition:` sits at the loop's own indent, a
 # body of command buffers (CUDA graphs), a cuBLAS call outside them, a conditional with two
@@ -34,7 +34,7 @@ condition:
 
 
 def test_one_iteration_counts_kernels_and_launches_by_the_stated_rules():
-  it = gpu_launches.count(DUMP)["iteration"]
+  it = launches.count(DUMP)["iteration"]
   # condition 1 + graph 3 + cuBLAS 1 + the larger branch 2 + nested loop (once) 2
   assert it["kernels"] == 9
   # condition 1 + graph 1 + cuBLAS 1 + the branch's graph 1 + nested loop's 2 kernels
@@ -45,7 +45,7 @@ def test_one_iteration_counts_kernels_and_launches_by_the_stated_rules():
 
 
 def test_the_program_adds_what_runs_outside_the_loop():
-  program = gpu_launches.count(DUMP)["program"]
+  program = launches.count(DUMP)["program"]
   assert program["kernels"] == 11 and program["launches"] == 8
 
 
@@ -53,6 +53,6 @@ def test_a_program_without_a_loop_is_its_own_iteration():
   dump = "001: kCustomKernel [source | sink] a grid: [1, 1, 1]\n" \
          "000: kCommandBuffer [source | sink]\n" \
          "    002: kCustomKernel [source | sink] b grid: [1, 1, 1]\n"
-  out = gpu_launches.count(dump)
+  out = launches.count(dump)
   assert out["iteration"] == out["program"]
   assert out["program"]["kernels"] == 2 and out["program"]["launches"] == 2

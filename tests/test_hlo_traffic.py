@@ -1,4 +1,4 @@
-"""The HBM traffic count of optimized HLO (experiments/hlo_traffic.py) on programs whose traffic
+"""The HBM traffic count of optimized HLO (cure_jax/costs/hlo_traffic.py) on programs whose traffic
 is known: weights read once, slices read what they take, in-place updates write the update,
 on-chip buffers are not HBM, loop bodies count once per iteration, labels follow buffers."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import hlo_traffic
+from cure_jax.costs import hlo_traffic
 
 H, N, S = 512, 1024, 4096
 

@@ -1,16 +1,20 @@
 """The layout is the architecture: imports run one way, from entry points down to models, with
-no circle anywhere, and no source file grows past 500 lines. Read from the source with `ast`."""
+no circle anywhere; experiments/ keeps entry points at its top; no source file grows past 500
+lines. Read from the source with `ast`."""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("cure_jax", "convert", "experiments", "configs")
-# Lower layers first; a module may import its own layer or one below it. training and analysis
-# sit side by side (one layer).
-LAYERS = (("cure_jax.models",), ("convert",), ("cure_jax.tree",), ("cure_jax.methods",),
-          ("cure_jax.runtime",), ("cure_jax.training", "cure_jax.analysis"), ("experiments",))
+# Lower layers first; a module may import its own layer or one below it. Side by side (one
+# layer): checkpoints and costs (each knows models only), training and analysis, and the two
+# kinds of entry point.
+LAYERS = (("cure_jax.models",), ("cure_jax.checkpoints", "cure_jax.costs"), ("cure_jax.tree",),
+          ("cure_jax.methods",), ("cure_jax.runtime",), ("cure_jax.training", "cure_jax.analysis"),
+          ("experiments", "convert", "configs"))
 MAX_LINES = 500
+MAX_EXPERIMENT_MODULES = 16
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -95,6 +99,25 @@ def test_the_checks_catch_a_circle_and_an_upward_import(tmp_path):
   assert graph["cure_jax.models.a"] == {"cure_jax.models.b", "cure_jax.runtime.loop"}
   assert _upward(graph) == ["cure_jax.models.a imports cure_jax.runtime.loop"]
   assert _cycles(graph) == [["cure_jax.models.a", "cure_jax.models.b", "cure_jax.models.a"]]
+
+
+def test_every_package_module_has_a_layer():
+  """A new folder of cure_jax must be placed in LAYERS, or the checks above would skip it."""
+  assert not [m for m in _modules(REPO) if _layer(m) is None and m != "cure_jax"]
+
+
+def test_experiments_top_holds_entry_points_only():
+  """At most 16 modules at the top of experiments/, and each is a command (`__main__`); the
+  tables and what they share live in experiments/tables/."""
+  top = [f for f in (REPO / "experiments").glob("*.py") if f.name != "__init__.py"]
+  assert len(top) <= MAX_EXPERIMENT_MODULES, sorted(f.name for f in top)
+  assert not [f.name for f in top if "__main__" not in f.read_text()]
+
+
+def test_convert_holds_entry_points_only():
+  """The checkpoint readers are library code (cure_jax/checkpoints/); convert/ only runs them."""
+  files = [f for f in (REPO / "convert").glob("*.py") if f.name not in ("__init__.py", "cli.py")]
+  assert files and all("__main__" in f.read_text() for f in files)
 
 
 def test_no_source_file_over_500_lines():

@@ -1,8 +1,9 @@
-"""The roofline projection from compiled counts (experiments/roofline.py, projection.py)."""
+"""The roofline projection from compiled counts (cure_jax/costs/roofline.py, projection.py)."""
 
 import pytest
 
-from experiments import projection, roofline
+from cure_jax.costs import roofline
+from experiments import projection
 
 
 def _rec(method, hbm, flops, v_max=0, batch=1):

@@ -1,4 +1,4 @@
-"""Our Qwen3/Llama decoder, loaded through convert.qwen3, against transformers on random models."""
+"""Our Qwen3/Llama decoder, loaded through cure_jax.checkpoints.qwen3, against transformers on random models."""
 
 import functools
 import types
@@ -12,7 +12,7 @@ import torch
 from flax import nnx
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from convert.qwen3 import load_target
+from cure_jax.checkpoints.qwen3 import load_target
 
 BATCH, LENGTH, PREFILL, CACHE = 2, 33, 20, 40
 TOL = 1e-4

@@ -98,7 +98,7 @@ def test_parameters_take_one_mth_per_device():
 @on_mesh
 def test_pipeline_loads_straight_onto_the_mesh(tmp_path):
   from configs import common
-  from convert.qwen3 import convert_hf, load_target
+  from cure_jax.checkpoints.qwen3 import convert_hf, load_target
   from cure_jax.runtime import pipeline
   target, drafter = random_models.pair(ARCH, 5)   # test_sharded_decoding's ar compile is reused
   target_dir, drafter_dir = random_models.write_hf(tmp_path, target, drafter)

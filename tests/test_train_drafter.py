@@ -21,7 +21,7 @@ from flax import nnx
 from transformers import Qwen3ForCausalLM
 
 from configs.train import tiny
-from convert.qwen3 import load_target
+from cure_jax.checkpoints.qwen3 import load_target
 from cure_jax.training import data as drafter_data, objective, trainer as drafter_training
 from tests.dflash_reference import PairSpec, build_pair, reference_block_logits
 from tests.fake_devices import run_in_child

@@ -93,10 +93,10 @@ def prompts(seed: int, vocab: int, count: int, lo: int = 3, hi: int = 12) -> lis
 def write_hf(root, target: Qwen3, drafter: DFlash) -> tuple[Path, Path]:
   """HF directories root/target and root/drafter for a (target, DFlash drafter) pair: the layout
   the converters read, so a random pair goes through the same loading path as a real one."""
-  from convert import checkpoint, qwen3
+  from cure_jax.checkpoints import qwen3, store
   root = Path(root)
   target_config, drafter_config = hf_configs(target.cfg, drafter.cfg)
-  checkpoint.export_hf(nnx.state(target), root / "target", qwen3.hf_name, target_config)
-  checkpoint.export_hf(nnx.state(drafter), root / "drafter", lambda p: checkpoint.hf_name(p),
+  store.export_hf(nnx.state(target), root / "target", qwen3.hf_name, target_config)
+  store.export_hf(nnx.state(drafter), root / "drafter", lambda p: store.hf_name(p),
                        drafter_config)
   return root / "target", root / "drafter"

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cure_jax.costs import efficiency
 from cure_jax.runtime import decoding
 from cure_jax.runtime.generation import Generator, prompt_bucket
 
@@ -104,3 +105,33 @@ def replay(generator: Generator, prompt: Sequence[int]) -> Replay:
         block_margins=(np.zeros(0) if proposal.block_margins is None
                        else np.asarray(proposal.block_margins[0]))))
   return Replay(first, out)
+
+
+def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, float]:
+  """ms of each phase of one decoding iteration at a real run's shapes (batch 1, the state right
+  after prefill): draft + tree build, target verification, commit + resync. Each phase is jitted
+  alone here, so the sum exceeds the fused loop's iteration time by the dispatch overheads."""
+  spec, state = prefill_state(generator, prompt)
+  graphdef, params = generator.graphdef, generator.params
+
+  @jax.jit
+  def draft(params, st):
+    target, drafter = nnx.merge(graphdef, params)
+    return decoding.propose(target, drafter, spec, st)
+
+  @jax.jit
+  def verify(params, st, proposal):
+    target, _ = nnx.merge(graphdef, params)
+    return decoding.verify_tree(target, spec, st, proposal)
+
+  @jax.jit
+  def commit(params, st, proposal, dcache, verdict, verified):
+    _, drafter = nnx.merge(graphdef, params)
+    return decoding.commit(drafter, spec, st, proposal, dcache, verdict, verified)
+
+  proposal, dcache = draft(params, state)
+  verdict, verified = verify(params, state, proposal)
+  return dict(draft_and_tree_ms=efficiency.best_ms(draft, params, state, repeats=repeats),
+              verify_ms=efficiency.best_ms(verify, params, state, proposal, repeats=repeats),
+              commit_and_resync_ms=efficiency.best_ms(commit, params, state, proposal, dcache,
+                                                      verdict, verified, repeats=repeats))

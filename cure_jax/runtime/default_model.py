@@ -42,7 +42,8 @@ def smollm2_dir(progress: bool = True) -> str:
   out = cache_root() / _SMOLLM2_NAME
   if _complete(out):
     return str(out)
-  from convert.gguf import convert_gguf, default_smollm2_gguf  # heavy imports, first use only
+  # heavy imports, first use only
+  from cure_jax.checkpoints.gguf import convert_gguf, default_smollm2_gguf
 
   gguf_path = default_smollm2_gguf()
   if progress:

@@ -93,7 +93,7 @@ def _placement(config, path: str, model_config):
   mesh = mesh_of(config)
   if mesh is None:
     return None
-  from convert.checkpoint import read_hf_config
+  from cure_jax.checkpoints.store import read_hf_config
   from cure_jax.runtime import sharding
   sharding.check_config(model_config.from_hf(read_hf_config(path)), mesh, f"model at {path}")
   return sharding.placement(mesh)
@@ -101,7 +101,7 @@ def _placement(config, path: str, model_config):
 
 def _qwen3(config, path: str):
   """A Qwen3/Llama checkpoint at `path`, in config.dtype, on config.mesh."""
-  from convert.qwen3 import load_target
+  from cure_jax.checkpoints.qwen3 import load_target
   from cure_jax.models.qwen3 import ModelConfig
   return load_target(path, dtype_of(config), placement=_placement(config, path, ModelConfig))
 
@@ -120,7 +120,7 @@ def _autoregressive_drafter(config, target):
 
 def _block_drafter(config, target):
   """A DFlash drafter, checked against the target it borrows embedding and head from."""
-  from convert.dflash import load_drafter
+  from cure_jax.checkpoints.dflash import load_drafter
   from cure_jax.models.dflash import DFlashConfig
   return load_drafter(config.drafter.path, dtype_of(config), target_cfg=target.cfg,
                       placement=_placement(config, config.drafter.path, DFlashConfig))

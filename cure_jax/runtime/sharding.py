@@ -126,7 +126,7 @@ class Placement:
   """`stream_params(..., placement=placement(mesh))`: each tensor goes straight to its shards.
 
   `annotate(abstract_state)` gives an abstract state whose leaves carry their shardings, for
-  orbax restores (`convert.checkpoint.load_checkpoint`).
+  orbax restores (`cure_jax.checkpoints.store.load_checkpoint`).
   """
 
   def __init__(self, mesh: Mesh):

@@ -1,5 +1,5 @@
 """The trained drafter on disk in DFlash's HF format (config.json, model.safetensors), as
-`DFlashDraftModel.from_pretrained` and convert.dflash read it; written aside and swapped in, so
+`DFlashDraftModel.from_pretrained` and cure_jax.checkpoints.dflash read it; written aside and swapped in, so
 a reader never finds half a drafter."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cure_jax.models.dflash import DFlashConfig
 
 def hf_config(cfg: DFlashConfig, target_dir: str, dtype_name: str) -> dict:
   """The drafter's config.json as `DFlashDraftModel.from_pretrained` reads it."""
-  from convert.checkpoint import read_hf_config
+  from cure_jax.checkpoints.store import read_hf_config
   tcfg = read_hf_config(target_dir)
   return {
       "architectures": ["DFlashDraftModel"],
@@ -51,11 +51,11 @@ def export(params: nnx.State, cfg: DFlashConfig, out_dir, target_dir: str, dtype
            extra: dict | None = None) -> Path:
   """Writes host parameters as a DFlash HF directory (config.json, model.safetensors,
   training.json) in `dtype`; it replaces out_dir only once complete."""
-  from convert import checkpoint
+  from cure_jax.checkpoints import store
   out = Path(out_dir).resolve()
   staged = out.parent / f".{out.name}.new-{uuid.uuid4().hex[:8]}"
   try:
-    checkpoint.export_hf(params, staged, checkpoint.hf_name,
+    store.export_hf(params, staged, store.hf_name,
                          hf_config(cfg, target_dir, jnp.dtype(dtype).name), dtype=dtype)
     if extra is not None:
       (staged / "training.json").write_text(json.dumps(extra, indent=1))

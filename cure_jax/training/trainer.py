@@ -126,7 +126,7 @@ class Trainer:
   """
 
   def __init__(self, config):
-    from convert.qwen3 import load_target
+    from cure_jax.checkpoints.qwen3 import load_target
     check_config(config)
     self.config = config
     self.mesh = make_mesh(config)
@@ -190,7 +190,7 @@ class Trainer:
     m = self.config.model
     dtype = pipeline.DTYPES[m.dtype]
     if m.init_drafter:
-      from convert.dflash import load_drafter
+      from cure_jax.checkpoints.dflash import load_drafter
       drafter = load_drafter(m.init_drafter, dtype, progress=False, target_cfg=target.cfg)
       if drafter.cfg != self.cfg:
         raise ValueError(f"model.init_drafter={m.init_drafter} is {drafter.cfg}; the config "

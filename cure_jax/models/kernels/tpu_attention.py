@@ -3,7 +3,8 @@
 `layers.attend` builds the scores as XLA tensors. XLA's TPU compiler keeps them in on-chip memory
 on v5e, but on v5p (and on v6e at batch 8) it writes each layer's f32 scores to HBM beside their
 row maximum and reads them back for the sum and the value product: three times the scores' size
-per layer, 0.9 GB an iteration for CURE's verification at batch 1 (WORKSPACE.md, session 6).
+per layer, 0.9 GB an iteration for CURE's verification at batch 1 (WORKSPACE.md, "2026-12-01 — CURE's
+re-draft attention no longer goes through HBM").
 This Pallas kernel streams the cache through VMEM in blocks of keys with an online softmax (as
 flash attention does), so HBM sees the queries, the cache, the masks and the output only.
 

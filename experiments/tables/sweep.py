@@ -14,9 +14,10 @@ from typing import Sequence
 import numpy as np
 
 from cure_jax.analysis import viz
-from experiments import cost_model
-from experiments.bench import Bench, Variant, _indices, run_variants, summarize, write_outputs
-from experiments.report import md_table, num, save_figure
+from cure_jax.costs import efficiency
+from cure_jax.analysis.report import md_table, num, save_figure
+from experiments.tables.bench import (Bench, Variant, _indices, run_variants, summarize,
+                                      write_outputs)
 
 SWEEP_GRID = dict(tau_margin=(0.5, 1.0, 2.0, 4.0), v_max=(32, 48, 64), b_max=(2, 3, 5),
                   select=("margin", "earliest", "expected_gain"))
@@ -33,7 +34,7 @@ def sweep_variants(base_cure: dict, grid: dict = SWEEP_GRID) -> list[Variant]:
 
 
 def table_sweep(bench: Bench, grid: dict = SWEEP_GRID, cost_context: int | None = None,
-                repeats: int = 5, nodes: Sequence[int] = cost_model.NODES) -> dict:
+                repeats: int = 5, nodes: Sequence[int] = efficiency.NODES) -> dict:
   """tau_margin / v_max / b_max grids and the three gate rules: τ, nodes, measured TPOT; plus
   projected speedups from the measured verification cost curve and a GPU-like flat one."""
   idx = _indices(bench)
@@ -58,11 +59,11 @@ def table_sweep(bench: Bench, grid: dict = SWEEP_GRID, cost_context: int | None 
   mean_prompt = int(np.mean([len(bench.ids[i]) for i in idx])) if idx else 64
   context = cost_context or mean_prompt + int(bench.config.max_new_tokens) // 2
   num_paths = max(bench.generators[bench.key(v)].cure.num_paths for v in seen.values())
-  costs = cost_model.measure(bench.target, bench.drafter, num_paths=num_paths, context=context,
+  costs = efficiency.measure(bench.target, bench.drafter, num_paths=num_paths, context=context,
                              nodes=nodes, feature_layers=bench.drafter.cfg.feature_layers,
                              repeats=repeats)
   curve = costs["verify_ms"]
-  flat = cost_model.flat_curve(curve)
+  flat = efficiency.flat_curve(curve)
   ar_tpot = summarize(runs["ar"])["tpot_ms"]
   rows = []
   for v in refs + cure_variants:
@@ -71,16 +72,16 @@ def table_sweep(bench: Bench, grid: dict = SWEEP_GRID, cost_context: int | None 
     nodes = [st["nodes_verified"] for r in res for st in r.stats]
     if v.method == "cure":
       paths = bench.generators[bench.key(v)].cure.num_paths
-      costs["draft_ms"].setdefault(paths, cost_model.draft_cost(
+      costs["draft_ms"].setdefault(paths, efficiency.draft_cost(
           bench.target, bench.drafter, (paths,), context, repeats)[paths])
     else:
       paths = 1
     proj = {}
     for name, c, is_flat in (("projected_speedup_cpu_curve", curve, False),
                              ("projected_speedup_flat_curve", flat, True)):
-      d_ms = cost_model.method_draft_ms(v.method, costs, s["gate_rate"], paths, flat=is_flat)
+      d_ms = efficiency.method_draft_ms(v.method, costs, s["gate_rate"], paths, flat=is_flat)
       proj[name] = (1.0 if v.method == "ar" else
-                    cost_model.projected_speedup(s["tau"], nodes, d_ms, c))
+                    efficiency.projected_speedup(s["tau"], nodes, d_ms, c))
     s.update(variant=v.label, measured_speedup_vs_ar=ar_tpot / s["tpot_ms"],
              cure=bench.cure_settings(v) if v.method == "cure" else None, **proj)
     if v.label == "ar":

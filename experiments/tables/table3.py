@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from experiments.bench import PAPER, Bench, _indices, run_variants, summarize, write_outputs
+from cure_jax.analysis.report import md_table, num
+from experiments.tables.bench import (PAPER, Bench, _indices, run_variants, summarize,
+                                      write_outputs)
 from experiments.humaneval_exec import check_programs, extract_program
-from experiments.report import md_table, num
-from experiments.table1 import _table1_variants
+from experiments.tables.table1 import _table1_variants
 
 
 def completion_text(bench: Bench, ids: Sequence[int]) -> str:

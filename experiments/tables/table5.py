@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from cure_jax.analysis import diagnostics, scorer
-from experiments.bench import Bench, Variant, _indices, run_variants, write_outputs, write_raw
+from experiments.tables.bench import (Bench, Variant, _indices, run_variants, write_outputs,
+                                      write_raw)
 
 
 def table5(bench: Bench, tau: float | None = None, kinds: Sequence[str] = ("logreg", "mlp"),

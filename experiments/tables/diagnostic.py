@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from cure_jax.analysis import diagnostics
-from experiments.bench import Bench, Variant, _indices, run_variants, write_outputs
-from experiments.report import save_figure
+from cure_jax.analysis.report import save_figure
+from experiments.tables.bench import Bench, Variant, _indices, run_variants, write_outputs
 
 
 def diagnostic(bench: Bench, tau: float | None = None) -> dict:

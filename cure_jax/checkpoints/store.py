@@ -349,29 +349,3 @@ def export(family: Family, ckpt_dir, out_dir, dtype=None, num_shards: int = 1) -
   config, _, state = read_state(family, ckpt_dir, meta["dtype"] if dtype is None else dtype, False)
   return export_hf(state, out_dir, family.write_names, config, aux_from=ckpt_dir,
                    num_shards=num_shards)
-
-
-def run_cli(what: str, convert_hf, export_hf) -> None:
-  """The shared `python -m convert.<model>` command: an HF directory -> a converted checkpoint,
-  or back with --to_hf. Flags are defined here, only when run as a script."""
-  from absl import app, flags
-  flags.DEFINE_string("hf_dir", None, f"{what} directory: the source, or with --to_hf the "
-                      "destination.")
-  flags.DEFINE_string("out", None, "Converted checkpoint directory: the destination, or with "
-                      "--to_hf the source.")
-  flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: bfloat16 "
-                    "when converting, the stored dtype with --to_hf).")
-  flags.DEFINE_bool("to_hf", False, "Export the checkpoint at --out back to HF format in --hf_dir.")
-  flags.DEFINE_integer("num_shards", 1, "With --to_hf: number of safetensors files to write.")
-  flags.mark_flags_as_required(["hf_dir", "out"])
-
-  def main(argv: list[str]) -> None:
-    del argv
-    args = flags.FLAGS
-    if args.to_hf:
-      written = export_hf(args.out, args.hf_dir, args.dtype, args.num_shards)
-    else:
-      written = convert_hf(args.hf_dir, args.out, args.dtype or "bfloat16")
-    print(f"wrote {written}")
-
-  app.run(main)

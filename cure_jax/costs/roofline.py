@@ -1,5 +1,5 @@
 """The roofline behind the projections: per-device peak figures and the time of one decode
-iteration from a compiled program's counts (experiments/aot.py records). Used by
+iteration from a compiled program's counts (the records of experiments.aot). Used by
 experiments.projection (tables) and experiments.decode (one line beside its CPU figures).
 
 Per iteration and chip, time = max(HBM bytes / HBM bandwidth, FLOPs / bf16 peak), plus, for

@@ -32,7 +32,7 @@ On a GPU the same rules hold, with two more:
   HLO does not say, so here too the count is an upper bound.
 
 Kernels and host launches per iteration on a GPU come from XLA's thunk sequence instead
-(experiments/gpu_launches.py): command buffers (CUDA graphs) are formed after the HLO passes.
+(cure_jax/costs/launches.py): command buffers (CUDA graphs) are formed after the HLO passes.
 """
 
 from __future__ import annotations

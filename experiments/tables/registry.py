@@ -1,18 +1,17 @@
 """The benchmark tables by name, as `experiments.benchmark --table` takes them.
 
-Each table lives in its own module (experiments/table1.py, table3.py, ...) on the shared
-machinery of experiments/bench.py; `run_tables` maps the benchmark's flags onto their options.
+Each table lives in its own module (experiments/tables/table1.py, table3.py, ...) on the shared
+machinery of bench.py; `run_tables` maps the benchmark's flags onto their options.
 """
 
 from __future__ import annotations
 
-from experiments import (table1, table3, table4, table5, table_diagnostic, table_peers,
-                         table_sweep, table_trees)
-from experiments.bench import Bench
+from experiments.tables import diagnostic, peers, sweep, table1, table3, table4, table5, trees
+from experiments.tables.bench import Bench
 
 TABLES = {"1": table1.table1, "3": table3.table3, "4": table4.table4, "5": table5.table5,
-          "diagnostic": table_diagnostic.diagnostic, "sweep": table_sweep.table_sweep,
-          "peers": table_peers.table_peers, "trees": table_trees.table_trees}
+          "diagnostic": diagnostic.diagnostic, "sweep": sweep.table_sweep,
+          "peers": peers.table_peers, "trees": trees.table_trees}
 
 
 def _options(name: str, kwargs: dict) -> dict:
@@ -27,10 +26,10 @@ def _options(name: str, kwargs: dict) -> dict:
   if name == "5":
     return dict(tau=kwargs.get("scorer_tau"))
   if name == "sweep":
-    grid = table_sweep.SWEEP_GRID
+    grid = sweep.SWEEP_GRID
     return dict(grid={f: grid[f] for f in kwargs.get("sweep_factors") or grid})
   if name == "trees":
-    return dict(budgets=kwargs.get("trees_budgets") or table_trees.BUDGETS)
+    return dict(budgets=kwargs.get("trees_budgets") or trees.BUDGETS)
   return {}
 
 

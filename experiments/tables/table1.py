@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.bench import (PAPER, Bench, Variant, _indices, compile_seconds, run_variants,
-                               summarize, write_outputs, write_raw)
-from experiments.report import md_table, num
+from cure_jax.analysis.report import md_table, num
+from experiments.tables.bench import (PAPER, Bench, Variant, _indices, compile_seconds,
+                                      run_variants, summarize, write_outputs, write_raw)
 
 
 def _table1_variants(bench: Bench) -> list[Variant]:

@@ -29,7 +29,7 @@ import numpy as np
 from cure_jax.runtime import pipeline
 from cure_jax import methods
 from cure_jax.runtime.generation import Result
-from experiments.report import environment, jsonable, write_text
+from cure_jax.analysis.report import environment, jsonable, write_text
 
 # The paper's numbers (Qwen3-8B, bf16, one GPU), for context in the markdown only.
 PAPER = dict(

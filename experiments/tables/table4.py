@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from experiments.bench import (PAPER, Bench, Variant, _indices, run_variants, summarize,
-                               write_outputs, write_raw)
-from experiments.report import md_table, num
+from cure_jax.analysis.report import md_table, num
+from experiments.tables.bench import (PAPER, Bench, Variant, _indices, run_variants, summarize,
+                                      write_outputs, write_raw)
 
 TABLE4_PROBLEMS = 64
 

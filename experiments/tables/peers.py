@@ -13,10 +13,11 @@ from typing import Sequence
 
 import numpy as np
 
-from experiments import cost_model
-from experiments.bench import (Bench, Variant, _generator, _indices, _progress, run_variants,
-                               summarize, write_outputs)
-from experiments.report import md_table, num
+from cure_jax.analysis import replay
+from cure_jax.costs import efficiency
+from cure_jax.analysis.report import md_table, num
+from experiments.tables.bench import (Bench, Variant, _generator, _indices, _progress, run_variants,
+                                      summarize, write_outputs)
 
 
 def table_peers(bench: Bench) -> dict:
@@ -41,12 +42,12 @@ def table_peers(bench: Bench) -> dict:
       rows += _peer_rows(bench, idx, runs)
     except ImportError as e:
       notes.append(f"peers skipped: {e}")
-  phases = {v.label: cost_model.phase_ms(_generator(bench, v), bench.ids[idx[0]])
+  phases = {v.label: replay.phase_ms(_generator(bench, v), bench.ids[idx[0]])
             for v in ours_v}
-  peaks = cost_model.machine_peaks()
+  peaks = efficiency.machine_peaks()
   cure = _generator(bench, ours_v[2]).cure
   gate = sums["cure"]["gate_rate"]
-  floors = cost_model.floors_ms(bench.target, bench.drafter, peaks,
+  floors = efficiency.floors_ms(bench.target, bench.drafter, peaks,
                                 {m: max(s["nodes_verified"], 1.0) for m, s in sums.items()},
                                 repair_paths=gate * cure.num_paths, repair_rows=gate * cure.v_max)
   iteration = {m: s["tpot_ms"] * max(s["tau"], 1.0) for m, s in sums.items()}

@@ -84,8 +84,8 @@ def tiny_pair(root: str, seed: int = 0) -> tuple[str, str]:
 def convert_once(hf_dir: str, out_dir: str, kind: str, dtype: str) -> str:
   """An orbax checkpoint of an HF directory (kind 'target' or 'drafter'), converted on the first
   call only; later calls (and later sessions) load the folder directly."""
-  from convert import checkpoint, dflash, qwen3
-  if checkpoint.read_metadata(out_dir) is None:
+  from cure_jax.checkpoints import dflash, qwen3, store
+  if store.read_metadata(out_dir) is None:
     convert = qwen3.convert_hf if kind == "target" else dflash.convert_hf
     convert(hf_dir, out_dir, dtype, progress=False)
   return out_dir

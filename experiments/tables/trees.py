@@ -19,10 +19,10 @@ import numpy as np
 from cure_jax.methods.cure import Cure
 from cure_jax.methods.hybrid import leaf_branch
 from cure_jax import methods
-from experiments import cost_model
-from experiments.bench import (Bench, Variant, _indices, compile_seconds, run_variants, summarize,
-                               write_outputs, write_raw)
-from experiments.report import md_table, num
+from cure_jax.costs import efficiency
+from cure_jax.analysis.report import md_table, num
+from experiments.tables.bench import (Bench, Variant, _indices, compile_seconds, run_variants,
+                                      summarize, write_outputs, write_raw)
 
 BUDGETS = (16, 32, 64)
 
@@ -77,7 +77,7 @@ def table_trees(bench: Bench, budgets: Sequence[int] = BUDGETS, repeats: int = 5
                   int(bench.config.cure.max_repair_positions) * int(bench.config.cure.b_max))
   mean_prompt = int(np.mean([len(bench.ids[i]) for i in idx])) if idx else 64
   context = mean_prompt + int(bench.config.max_new_tokens) // 2
-  costs = cost_model.measure(bench.target, bench.drafter, num_paths=num_paths, context=context,
+  costs = efficiency.measure(bench.target, bench.drafter, num_paths=num_paths, context=context,
                              feature_layers=bench.drafter.cfg.feature_layers, repeats=repeats)
   settings = online_costs(costs, num_paths)
   refs = [Variant.of("ar", "ar"), Variant.of("chain", "chain")]
@@ -87,7 +87,7 @@ def table_trees(bench: Bench, budgets: Sequence[int] = BUDGETS, repeats: int = 5
   for v in variants:  # one at a time, kept at once: a resumed run reuses them (--reuse_raw)
     runs.update(run_variants(bench, [v], idx, f"trees: {v.label}"))
     write_raw(bench, v.label, runs[v.label], idx)
-  curve, flat = costs["verify_ms"], cost_model.flat_curve(costs["verify_ms"])
+  curve, flat = costs["verify_ms"], efficiency.flat_curve(costs["verify_ms"])
   ar = summarize(runs["ar"])
   rows = []
   for v in variants:
@@ -97,8 +97,8 @@ def table_trees(bench: Bench, budgets: Sequence[int] = BUDGETS, repeats: int = 5
     repairs = s["gate_rate"] if isinstance(methods.get(v.method), Cure) else 0.0
     proj = {}
     for name, c, is_flat in (("cpu_curve", curve, False), ("flat", flat, True)):
-      d_ms = cost_model.method_draft_ms(v.method, costs, repairs, num_paths, flat=is_flat)
-      speedup = 1.0 if v.method == "ar" else cost_model.projected_speedup(s["tau"], nodes, d_ms, c)
+      d_ms = efficiency.method_draft_ms(v.method, costs, repairs, num_paths, flat=is_flat)
+      speedup = 1.0 if v.method == "ar" else efficiency.projected_speedup(s["tau"], nodes, d_ms, c)
       proj[f"projected_speedup_{name}"] = speedup
       proj[f"projected_tpot_ms_{name}"] = c[min(c)] / speedup  # AR's C_v(1) per token, sped up
     s.update(variant=v.label, method=v.method, v_max=gen.cure.v_max if gen.cure else None,

@@ -27,7 +27,7 @@ from flax import nnx
 NODES = (1, 2, 4, 8, 16, 32, 48, 64)
 
 
-def _time(fn, *args, repeats: int) -> float:
+def best_ms(fn, *args, repeats: int) -> float:
   """Best-of-`repeats` ms of fn(*args) after one warm-up call (which also compiles); the minimum
   is the least disturbed by other work on a shared machine."""
   jax.block_until_ready(fn(*args))
@@ -62,7 +62,7 @@ def verify_cost(target, nodes: Sequence[int] = NODES, context: int = 256,
     positions = context + jnp.arange(n)[None]
     old = jnp.broadcast_to(cache.visible()[:, None, :], (1, n, cache.max_len))
     mask = jnp.concatenate([old, jnp.tril(jnp.ones((n, n), bool))[None]], axis=-1)
-    costs[int(n)] = _time(forward, params, tokens, positions, mask, cache, repeats=repeats)
+    costs[int(n)] = best_ms(forward, params, tokens, positions, mask, cache, repeats=repeats)
   return costs
 
 
@@ -84,7 +84,7 @@ def draft_cost(target, drafter, alternatives: Sequence[int] = (1,), context: int
   for a in alternatives:
     blocks = jnp.zeros((1, a, k), jnp.int32)
     positions = context + jnp.arange(k)[None]
-    costs[int(a)] = _time(block, params, blocks, positions, cache, repeats=repeats)
+    costs[int(a)] = best_ms(block, params, blocks, positions, cache, repeats=repeats)
   return costs
 
 
@@ -151,39 +151,6 @@ def measure(target, drafter=None, ar_drafter=None, *, num_paths: int = 5, contex
   return out
 
 
-def phase_ms(generator, prompt: Sequence[int], repeats: int = 5) -> dict[str, float]:
-  """ms of each phase of one decoding iteration at a real run's shapes (batch 1, the state right
-  after prefill): draft + tree build, target verification, commit + resync. Each phase is jitted
-  alone here, so the sum exceeds the fused loop's iteration time by the dispatch overheads."""
-  from cure_jax.runtime import decoding
-  from cure_jax.analysis.replay import prefill_state
-
-  spec, state = prefill_state(generator, prompt)
-  graphdef, params = generator.graphdef, generator.params
-
-  @jax.jit
-  def draft(params, st):
-    target, drafter = nnx.merge(graphdef, params)
-    return decoding.propose(target, drafter, spec, st)
-
-  @jax.jit
-  def verify(params, st, proposal):
-    target, _ = nnx.merge(graphdef, params)
-    return decoding.verify_tree(target, spec, st, proposal)
-
-  @jax.jit
-  def commit(params, st, proposal, dcache, verdict, verified):
-    _, drafter = nnx.merge(graphdef, params)
-    return decoding.commit(drafter, spec, st, proposal, dcache, verdict, verified)
-
-  proposal, dcache = draft(params, state)
-  verdict, verified = verify(params, state, proposal)
-  return dict(draft_and_tree_ms=_time(draft, params, state, repeats=repeats),
-              verify_ms=_time(verify, params, state, proposal, repeats=repeats),
-              commit_and_resync_ms=_time(commit, params, state, proposal, dcache, verdict, verified,
-                                         repeats=repeats))
-
-
 def machine_peaks(size: int = 2048, read_mib: int = 512, repeats: int = 5) -> dict[str, float]:
   """Best-of-`repeats` float32 speeds here: matmul GFLOP/s; streaming-read GB/s (a sum over an
   array far larger than the caches, as a forward streams its weights; no output to allocate);
@@ -193,9 +160,9 @@ def machine_peaks(size: int = 2048, read_mib: int = 512, repeats: int = 5) -> di
   x = jnp.ones((read_mib * 2**20 // 4,), jnp.float32)
   weights = [jnp.ones((1024, 4096), jnp.float32) for _ in range(read_mib // 16)]
   token = jnp.ones((1, 1024), jnp.float32)
-  matmul_ms = _time(jax.jit(lambda a: a @ a), a, repeats=repeats)
-  read_ms = _time(jax.jit(jnp.sum), x, repeats=repeats)
-  gemv_ms = _time(jax.jit(lambda t, ws: sum(t @ w for w in ws)), token, weights, repeats=repeats)
+  matmul_ms = best_ms(jax.jit(lambda a: a @ a), a, repeats=repeats)
+  read_ms = best_ms(jax.jit(jnp.sum), x, repeats=repeats)
+  gemv_ms = best_ms(jax.jit(lambda t, ws: sum(t @ w for w in ws)), token, weights, repeats=repeats)
   return dict(gflops=2 * size**3 / matmul_ms / 1e6, gbytes_per_s=x.nbytes / read_ms / 1e6,
               gemv_gbytes_per_s=x.nbytes / gemv_ms / 1e6)
 
