@@ -163,15 +163,15 @@ def test_sweep(bench):
 
 def test_peers_without_hf_directories(bench):
   peers.table_peers(bench)  # no HF directories: ours only, peers skipped with a note
-  peers = _load(bench, "peers")
-  assert [r["system"] for r in peers["rows"]] == ["cure_jax ar", "cure_jax chain", "cure_jax cure"]
-  assert peers["notes"] and all(r["equal_to_our_ar"] == NUM_PROMPTS for r in peers["rows"])
-  assert set(peers["phases_ms"]) == {"ar", "chain", "cure"}
-  assert all(v > 0 for p in peers["phases_ms"].values() for v in p.values())
-  assert peers["peaks"]["gflops"] > 0 and peers["peaks"]["gbytes_per_s"] > 0
-  assert set(peers["floors_ms"]) == {"ar", "chain", "cure"}
-  assert peers["floors_ms"]["ar"]["draft_ms"] == 0 < peers["floors_ms"]["chain"]["draft_ms"]
-  assert peers["peaks"]["gemv_gbytes_per_s"] > 0 and peers["ar_vs_transformers"] is None
+  result = _load(bench, "peers")
+  assert [r["system"] for r in result["rows"]] == ["cure_jax ar", "cure_jax chain", "cure_jax cure"]
+  assert result["notes"] and all(r["equal_to_our_ar"] == NUM_PROMPTS for r in result["rows"])
+  assert set(result["phases_ms"]) == {"ar", "chain", "cure"}
+  assert all(v > 0 for p in result["phases_ms"].values() for v in p.values())
+  assert result["peaks"]["gflops"] > 0 and result["peaks"]["gbytes_per_s"] > 0
+  assert set(result["floors_ms"]) == {"ar", "chain", "cure"}
+  assert result["floors_ms"]["ar"]["draft_ms"] == 0 < result["floors_ms"]["chain"]["draft_ms"]
+  assert result["peaks"]["gemv_gbytes_per_s"] > 0 and result["ar_vs_transformers"] is None
 
 
 def test_ar_bound_against_transformers():

@@ -220,7 +220,7 @@ def test_failures_leave_no_partial_directory(tmp_path, hf_src, monkeypatch):
     raise OSError("disk full (injected)")
 
   with monkeypatch.context() as patch:
-    patch.setattr(checkpoint, "copy_aux_files", fail)  # runs after orbax wrote the state
+    patch.setattr(store, "copy_aux_files", fail)  # runs after orbax wrote the state
     with pytest.raises(OSError, match="injected"):
       convert_hf(hf_src, tmp_path / "ckpt", "float32", progress=False)
   assert list(tmp_path.iterdir()) == []
@@ -235,7 +235,7 @@ def test_failures_leave_no_partial_directory(tmp_path, hf_src, monkeypatch):
       fail()
     real_save(*args, **kwargs)
 
-  monkeypatch.setattr(checkpoint, "save_file", save_once_then_fail)
+  monkeypatch.setattr(store, "save_file", save_once_then_fail)
   with pytest.raises(OSError, match="injected"):
     export_hf(ckpt, tmp_path / "dst", num_shards=2)
   assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
