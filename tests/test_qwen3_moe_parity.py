@@ -15,7 +15,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from cure_jax.checkpoints import qwen3, store
 from cure_jax.checkpoints.qwen3 import load_target
-from tests.test_qwen3_parity import BATCH, LENGTH, PREFILL, TOL, decode_step, prefill, random_hf_model
+from tests.test_qwen3_parity import (BATCH, LENGTH, PREFILL, TOL, decode_step, prefill,
+                                     random_hf_model)
 
 _MOE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             moe_intermediate_size=24, tie_word_embeddings=False)
