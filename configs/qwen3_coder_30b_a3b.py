@@ -39,5 +39,5 @@ def get_config():
   config.aot = ml_collections.ConfigDict(dict(
       target="configs/hf/qwen3_coder_30b_a3b", drafter="configs/hf/qwen3_coder_30b_a3b_dflash",
       topology="h200", methods="ar,chain,ddtree,cure", v_max="32", batch="1,8",
-      output="results/aot_gpu/qwen3_coder_30b_a3b"))
+      output="results/aot_gpu/qwen3_coder_30b_a3b_h200"))
   return config
