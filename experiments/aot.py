@@ -14,8 +14,10 @@ analysis and an independent count of the HBM traffic of one loop iteration
   python -m experiments.aot --config=configs/qwen3_8b.py --topology=cpu --config.dtype=float32 \
     --methods=ar,chain,cure --v_max=64 --batch=1
 
-Writes <output>.json and <output>.md (atomically). libtpu takes a lock file: run one TPU compile
-process per machine at a time.
+A config may carry an `aot` field (configs/qwen3_coder_30b_a3b.py): its target, drafter,
+topology, methods, v_max, batch and output replace these flags' defaults; flags given on the
+command line still win. Writes <output>.json and <output>.md (atomically). libtpu takes a lock
+file: run one TPU compile process per machine at a time.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ _RECOUNT = flags.DEFINE_bool("recount", False, "compile nothing: recount the HLO
 
 METHODS = ("ar", "chain", "cure", "ddtree", "hybrid")
 PROGRAMS = ("prefill", "decode", "forward")
+
+
+def setting(holder, config):
+  """A flag's value: the command line's, else the config's `aot.<flag name>`, else the default."""
+  aot = config.get("aot") or {}
+  if holder.present or holder.name not in aot:
+    return holder.value
+  value = aot[holder.name]
+  return value.split(",") if isinstance(holder.value, list) else value
 
 
 # --- devices and models ------------------------------------------------------------------------
@@ -382,7 +393,9 @@ def main(argv):
   if _RECOUNT.value:
     return recount(_OUTPUT.value, _DUMP_HLO.value)
   config = _CONFIG.value
-  names = [m.strip() for m in _METHODS.value]
+  target_dir, drafter_dir, topology, output = (setting(f, config) for f in (
+      _TARGET, _DRAFTER, _TOPOLOGY, _OUTPUT))
+  names = [m.strip() for m in setting(_METHODS, config)]
   bad = [m for m in names if m not in METHODS]
   if bad:
     raise app.UsageError(f"--methods: unknown {bad}; choose from {METHODS}")
@@ -390,30 +403,30 @@ def main(argv):
   if [p for p in programs if p not in PROGRAMS]:
     raise app.UsageError(f"--programs={_PROGRAMS.value}; choose from {PROGRAMS}")
   try:
-    v_maxes = [int(v) for v in _V_MAX.value]
-    batches = [int(b) for b in _BATCH.value]
+    v_maxes = [int(v) for v in setting(_V_MAX, config)]
+    batches = [int(b) for b in setting(_BATCH, config)]
   except ValueError as e:
     raise app.UsageError(f"--v_max and --batch take integers: {e}") from e
   if _PROMPT.value >= _MAX_LEN.value:
     raise app.UsageError(f"--prompt_len={_PROMPT.value} must be below --max_len={_MAX_LEN.value}")
   dtype = pipeline.dtype_of(config)
-  if _TOPOLOGY.value == "cpu" and config.dtype == "bfloat16":
+  if topology == "cpu" and config.dtype == "bfloat16":
     print("note: the CPU backend upcasts bf16 weights (temporaries of the model's size); CPU "
           "figures are meaningful in float32 (--config.dtype=float32)")
   options = pipeline.compiler_options(_OPTIONS.value)
-  dump = gpu_setup(_TOPOLOGY.value)
-  devices = topology_devices(_TOPOLOGY.value)
+  dump = gpu_setup(topology)
+  devices = topology_devices(topology)
   mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)
   needs_drafter = any(m != "ar" for m in names)
-  target, drafter = abstract_pair(_TARGET.value, _DRAFTER.value if needs_drafter else None, dtype)
+  target, drafter = abstract_pair(target_dir, drafter_dir if needs_drafter else None, dtype)
   sharding.check_models(mesh, target, drafter)
   for b in batches:
     if b % mesh.shape[sharding.DATA]:
       raise app.UsageError(f"--batch={b} does not divide by mesh.data={mesh.shape['data']}")
   graphdef, params = nnx.split((target, drafter))
   params = sharding.Placement(mesh).annotate(params)
-  meta = dict(target=_TARGET.value, drafter=_DRAFTER.value if needs_drafter else None,
-              topology=_TOPOLOGY.value, device_kind=devices[0].device_kind,
+  meta = dict(target=target_dir, drafter=drafter_dir if needs_drafter else None,
+              topology=topology, device_kind=devices[0].device_kind,
               mesh=[int(mesh.shape["data"]), int(mesh.shape["model"])], dtype=config.dtype,
               max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__,
               compiler_options=options)
@@ -428,9 +441,9 @@ def main(argv):
           f"per iteration ({rec['bounds']['hbm_over_weights_and_kv']:.3f}x weights + KV), XLA "
           f"{rec['xla_bytes_accessed'] / 1e9:.2f} GB, {it['collectives']}", flush=True)
     out = dict(meta=meta, records=records)
-    pipeline.write_json(_OUTPUT.value + ".json", json.loads(json.dumps(out, default=str)))
-    report.write_text(_OUTPUT.value + ".md", markdown(meta, records))
-  print(f"wrote {_OUTPUT.value}.json and .md")
+    pipeline.write_json(output + ".json", json.loads(json.dumps(out, default=str)))
+    report.write_text(output + ".md", markdown(meta, records))
+  print(f"wrote {output}.json and .md")
 
 
 if __name__ == "__main__":

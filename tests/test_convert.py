@@ -104,7 +104,7 @@ def test_cli_converts_and_exports(tmp_path, hf_src):
 
 @pytest.mark.parametrize("args,message", [
     (("convert.qwen3", "--hf_dir=/nonexistent", "--out=OUT"), "/nonexistent does not exist; pass "
-     "a Hugging Face Qwen3/Llama directory"),
+     "a Hugging Face Qwen3/Qwen3-MoE/Llama directory"),
     (("convert.dflash", "--hf_dir=/nonexistent", "--out=OUT"), "/nonexistent does not exist; pass "
      "the DFlash drafter's directory"),
     (("convert.qwen3", "--hf_dir=OUT", "--out=/nonexistent", "--to_hf"), "/nonexistent has no "

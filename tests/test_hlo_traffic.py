@@ -137,3 +137,42 @@ def test_a_cublas_call_counts_operands_and_result_but_not_its_workspace():
   out = hlo_traffic.count(CUBLAS_HLO, {0: "w", 1: "x"})["program"]
   assert out["by_label"] == {"w": 256 * 512 * 2, "x": 4 * 256 * 2, "activation": 4 * 512 * 2}
   assert out["hbm_bytes"] < 4194304
+
+
+# 8 experts of [32, 64] bf16 (4 KB each), 16 token-slots.
+RAGGED_HLO = """HloModule r, entry_computation_layout={(bf16[16,32]{1,0}, bf16[8,32,64]{2,1,0}, s32[8]{0})->bf16[16,64]{1,0}}
+
+ENTRY %main (x: bf16[16,32], w: bf16[8,32,64], g: s32[8]) -> bf16[16,64] {
+  %x = bf16[16,32]{1,0} parameter(0)
+  %w = bf16[8,32,64]{2,1,0} parameter(1)
+  %g = s32[8]{0} parameter(2)
+  ROOT %rd = bf16[16,64]{1,0} ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}
+}
+"""
+
+GATHER_HLO = """HloModule e, entry_computation_layout={(bf16[1,32]{1,0}, bf16[8,32,64]{2,1,0}, s32[2,1]{1,0})->bf16[1,2,64]{2,1,0}}
+
+ENTRY %main (x: bf16[1,32], w: bf16[8,32,64], ids: s32[2,1]) -> bf16[1,2,64] {
+  %x = bf16[1,32]{1,0} parameter(0)
+  %w = bf16[8,32,64]{2,1,0} parameter(1)
+  %ids = s32[2,1]{1,0} parameter(2)
+  %slices = bf16[2,32,64]{2,1,0} gather(%w, %ids), offset_dims={1,2}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,32,64}
+  ROOT %y = bf16[1,2,64]{2,1,0} dot(%x, %slices), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+"""
+EXPERT = 32 * 64 * 2
+
+
+def test_a_grouped_matmul_counts_every_expert():
+  """ragged-dot: the group sizes are runtime values, so all 8 experts count, however few the
+  16 token-slots route to."""
+  out = hlo_traffic.count(RAGGED_HLO, {0: "x", 1: "experts", 2: "groups"})["program"]
+  assert out["by_label"] == {"x": 16 * 32 * 2, "experts": 8 * EXPERT, "groups": 8 * 4,
+                             "activation": 16 * 64 * 2}
+
+
+def test_a_gather_of_expert_slices_counts_the_slices_it_takes():
+  """2 of 8 experts read; their copy is written once and read again by the dot."""
+  out = hlo_traffic.count(GATHER_HLO, {0: "x", 1: "experts", 2: "ids"})["program"]
+  assert out["by_label"]["experts"] == 2 * EXPERT
+  assert out["by_label"]["activation"] == 2 * (2 * EXPERT) + 2 * 64 * 2

@@ -15,6 +15,7 @@ from flax import nnx
 
 from cure_jax.models.dflash import DFlash, DFlashConfig
 from cure_jax.models.layers import Rope
+from cure_jax.models.moe import MoEConfig
 from cure_jax.models.qwen3 import ModelConfig, Qwen3
 
 
@@ -31,11 +32,19 @@ class Arch:
   draft_layers: int = 2
   block_size: int = 6
   target_layer_ids: tuple[int, ...] = (0, 2)
+  experts: int = 0                    # > 0: a Qwen3-MoE target (model_type qwen3_moe)
+  top_k: int = 2
+  norm_topk_prob: bool = True
+  dense_layers: tuple[int, ...] = ()  # MoE: layers with a dense MLP (HF mlp_only_layers)
 
   def target_cfg(self) -> ModelConfig:
-    return ModelConfig(self.model_type, self.vocab, self.hidden, 2 * self.hidden, self.layers,
-                       self.heads, self.kv_heads, self.head_dim, 1e-6,
-                       Rope(self.head_dim, 10000.0), self.tie)
+    moe = None
+    if self.experts:
+      moe = MoEConfig(self.experts, self.top_k, self.hidden, self.norm_topk_prob,
+                      tuple(i not in self.dense_layers for i in range(self.layers)))
+    return ModelConfig("qwen3_moe" if self.experts else self.model_type, self.vocab,
+                       self.hidden, 2 * self.hidden, self.layers, self.heads, self.kv_heads,
+                       self.head_dim, 1e-6, Rope(self.head_dim, 10000.0), self.tie, moe)
 
   def drafter_cfg(self) -> DFlashConfig:
     return DFlashConfig(self.hidden, 2 * self.hidden, self.draft_layers, self.heads,
@@ -52,6 +61,11 @@ def hf_configs(target_cfg: ModelConfig, drafter_cfg: DFlashConfig) -> tuple[dict
   target = dict(common, model_type=t.model_type, vocab_size=t.vocab_size,
                 intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
                 tie_word_embeddings=t.tie_embeddings)
+  if t.moe:
+    target.update(num_experts=t.moe.num_experts, num_experts_per_tok=t.moe.top_k,
+                  moe_intermediate_size=t.moe.intermediate_size,
+                  norm_topk_prob=t.moe.norm_topk_prob, decoder_sparse_step=1,
+                  mlp_only_layers=[i for i, s in enumerate(t.moe.sparse_layers) if not s])
   drafter = dict(common, model_type="qwen3", intermediate_size=d.intermediate_size,
                  num_hidden_layers=d.num_layers, block_size=d.block_size,
                  num_target_layers=t.num_layers,
@@ -80,8 +94,10 @@ def pair(arch: Arch, seed: int, logit_scale: float = 3.0):
 
 
 def ar_drafter(arch: Arch, seed: int) -> Qwen3:
-  """A one-layer random Qwen3 with the target's vocabulary, for naive speculative decoding."""
-  cfg = dataclasses.replace(arch.target_cfg(), num_layers=1)
+  """A one-layer dense random Qwen3 with the target's vocabulary, for naive speculative
+  decoding."""
+  cfg = dataclasses.replace(arch.target_cfg(), model_type="qwen3" if arch.experts else
+                            arch.model_type, num_layers=1, moe=None)
   return _perturb(Qwen3(cfg, rngs=nnx.Rngs(seed + 20_000)), seed + 2, 3.0)
 
 

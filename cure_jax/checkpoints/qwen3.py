@@ -1,4 +1,4 @@
-"""Qwen3 / Llama target checkpoints: HF directories and converted orbax folders.
+"""Qwen3 / Qwen3-MoE / Llama target checkpoints: HF directories and converted orbax folders.
 
 Model dimensions always come from the checkpoint's config.json. A converted folder holds the
 orbax state, that config.json, a cure_jax.json {kind, dtype} and the tokenizer files, so it can
@@ -19,7 +19,11 @@ from cure_jax.checkpoints import store
 from cure_jax.models.qwen3 import ModelConfig, Qwen3
 
 def hf_name(path: store.StatePath) -> str:
-  """HF tensor name of a Qwen3 state path: everything but lm_head lives under `model.`."""
+  """HF tensor name of a Qwen3 state path: everything but lm_head lives under `model.`; an
+  MoE's stacked experts are stored one per expert, `mlp.experts.{e}.gate_proj.weight`."""
+  if "experts" in path:
+    i = path.index("experts") + 1
+    path = path[:i] + ("{e}",) + path[i:]
   return store.hf_name(path, "" if path[0] == "lm_head" else "model.")
 
 
@@ -31,7 +35,7 @@ def _read_names(hf_dir: Path, config: dict):
 
 FAMILY = store.Family(
     kind="target", module="convert.qwen3",
-    source="a Hugging Face Qwen3/Llama directory (the target model's)",
+    source="a Hugging Face Qwen3/Qwen3-MoE/Llama directory (the target model's)",
     build=lambda config, dtype: Qwen3(ModelConfig.from_hf(config), dtype),
     read_names=_read_names, write_names=hf_name)
 

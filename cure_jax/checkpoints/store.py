@@ -2,7 +2,9 @@
 
 Model-agnostic: a converter supplies the abstract state of its module (from `nnx.eval_shape`) and
 `name_of(path) -> str`, the HF tensor name of each flat state path. `nnx.Linear` kernels (leaf
-`kernel`) are stored [in, out] here and [out, in] in HF files; every other leaf is as-is.
+`kernel`) are stored [in, out] here and [out, in] in HF files; every other leaf is as-is. A name
+holding `{e}` names a stack along the leaf's axis 0 (an MoE's experts, [E, in, out] here): HF
+files hold one tensor per index, the name with `{e}` replaced by it.
 
 Loading streams one tensor at a time so a large checkpoint is held in host memory only once;
 every folder this module writes appears complete at its destination or not at all.
@@ -61,6 +63,18 @@ def _is_kernel(path: StatePath) -> bool:
 
 def _hf_shape(path: StatePath, shape: tuple[int, ...]) -> tuple[int, ...]:
   return tuple(reversed(shape)) if _is_kernel(path) else tuple(shape)
+
+
+def _hf_tensors(path: StatePath, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+  """HF name -> HF shape of each stored tensor a leaf is made of (several for a `{e}` stack)."""
+  if "{e}" not in name:
+    return {name: _hf_shape(path, shape)}
+  return {name.format(e=i): _hf_shape(path, shape[1:]) for i in range(shape[0])}
+
+
+def _to_hf(path: StatePath, array: np.ndarray) -> np.ndarray:
+  """A leaf (or one slice of a stack) in HF layout; its own inverse."""
+  return array.T if _is_kernel(path) else array
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:
@@ -148,18 +162,20 @@ def stream_params(abstract_state: nnx.State, hf_dir: str | os.PathLike, name_of:
   """
   hf_dir = Path(hf_dir)
   flat = list(nnx.to_flat_state(abstract_state))
-  expected = {name_of(p): _hf_shape(p, v.get_value().shape) for p, v in flat}
+  parts = {p: _hf_tensors(p, name_of(p), v.get_value().shape) for p, v in flat}
+  expected = {n: shape for tensors in parts.values() for n, shape in tensors.items()}
   ignore = set(ignore)
   found = {n: entry for n, entry in tensor_index(hf_dir).items() if n not in ignore}
   _validate(expected, found, hf_dir)
   place = placement or (lambda _, x: jax.device_put(x))
   leaves = []
   for path, var in tqdm(flat, desc=f"loading {hf_dir.name}", unit="tensor", disable=not progress):
-    name = name_of(path)
-    with safe_open(str(found[name][0]), framework="numpy") as f:
-      array = f.get_tensor(name)
-    if _is_kernel(path):
-      array = array.T
+    arrays = []
+    for name in parts[path]:
+      with safe_open(str(found[name][0]), framework="numpy") as f:
+        arrays.append(_to_hf(path, f.get_tensor(name)))
+    array = np.stack(arrays) if "{e}" in name_of(path) else arrays[0]
+    del arrays
     array = array.astype(var.get_value().dtype if dtype is None else dtype, order="C", copy=False)
     leaves.append((path, var.replace(place(path, array))))
   return nnx.from_flat_state(leaves)
@@ -265,9 +281,12 @@ def export_hf(state: nnx.State, out_dir: str | os.PathLike, name_of: NameOf, con
       for (path, var), s in zip(flat, shard_of):
         if s == shard:
           array = np.asarray(var.get_value())
-          array = array.T if _is_kernel(path) else array
           out_dtype = array.dtype if dtype is None else dtype
-          tensors[name_of(path)] = np.ascontiguousarray(array, out_dtype)
+          name = name_of(path)
+          slices = ({name: array} if "{e}" not in name else
+                    {name.format(e=i): a for i, a in enumerate(array)})
+          for n, a in slices.items():
+            tensors[n] = np.ascontiguousarray(_to_hf(path, a), out_dtype)
       save_file(tensors, str(tmp / file), metadata={"format": "pt"})
       weight_map.update(dict.fromkeys(tensors, file))
       total_size += sum(t.nbytes for t in tensors.values())

@@ -18,6 +18,17 @@ whole operand even when the fusion only slices it. This module reads the optimiz
   target weights, drafter weights, KV cache, other state) so weights are apart from the rest;
   buffers made inside the program are `activation`.
 
+Grouped matmuls (an MoE's experts, cure_jax/models/moe.py) follow from these rules, stated here
+because routing is invisible in the HLO:
+
+- a `ragged-dot` op, the custom call a TPU makes of it, and the dense dot over every expert a GPU
+  makes of it count their expert-weight operand whole, all experts whatever the routing: the
+  group sizes are runtime values, so for the first two this is an upper bound (exact for the
+  GPU's dense lowering, which does read every expert);
+- a gather of the routed experts' slices (moe.py's path for decode-size token counts) reads the
+  N x top_k slices it takes (an expert shared by two token-slots counts twice); unfused, its
+  result is an activation written once and read again by the matmul that uses it.
+
 A while loop's body is one iteration (a nested loop counts its known trip count, else once).
 Bytes are logical (no tile padding), per device: an SPMD program is one device's program.
 

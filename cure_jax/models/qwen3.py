@@ -1,4 +1,5 @@
-"""The target decoder: Qwen3, and Llama-family models (Qwen3 without the per-head q/k norms).
+"""The target decoder: Qwen3, Qwen3-MoE (sparse MLPs from models/moe.py in the layers its config
+marks), and Llama-family models (Qwen3 without the per-head q/k norms).
 
 The forward pass is functional: it reads a KV cache of committed tokens, attends over
 [cache slots ; new tokens] under an explicit boolean mask, and returns the new tokens' keys and
@@ -18,8 +19,9 @@ from flax import nnx
 from cure_jax.models.cache import KVCache
 from cure_jax.models.layers import (RMSNorm, Rope, SwiGLU, attend, embed_lookup, linear,
                                     rope_from_hf)
+from cure_jax.models.moe import MoEConfig, SparseMoE
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +37,11 @@ class ModelConfig:
   rms_eps: float
   rope: Rope
   tie_embeddings: bool
+  moe: MoEConfig | None = None        # Qwen3-MoE: experts and which layers are sparse
 
   @property
   def qk_norm(self) -> bool:
-    return self.model_type == "qwen3"
+    return self.model_type in ("qwen3", "qwen3_moe")
 
   @classmethod
   def from_hf(cls, config: dict) -> "ModelConfig":
@@ -46,7 +49,8 @@ class ModelConfig:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"config.json has model_type={model_type!r}; this target decoder supports "
-                       f"{SUPPORTED_MODEL_TYPES}. Point target.path at a Qwen3 or Llama checkpoint.")
+                       f"{SUPPORTED_MODEL_TYPES}. Point target.path at a Qwen3, Qwen3-MoE or Llama "
+                       "checkpoint.")
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
       if config.get(flag):
         raise ValueError(f"config.json sets {flag}=true, which this decoder does not implement.")
@@ -55,18 +59,20 @@ class ModelConfig:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     if heads % kv_heads:
       raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    layers = int(config["num_hidden_layers"])
     return cls(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope=rope_from_hf(config, head_dim),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        moe=MoEConfig.from_hf(config, layers) if model_type == "qwen3_moe" else None,
     )
 
 
@@ -98,9 +104,10 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, sparse: bool = False):
     self.self_attn = Attention(cfg, dtype, rngs)
-    self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+    self.mlp = (SparseMoE(cfg.moe, cfg.hidden_size, dtype, rngs) if sparse
+                else SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
 
@@ -118,7 +125,8 @@ class Output(NamedTuple):
 
 
 class Qwen3(nnx.Module):
-  """Qwen3 / Llama decoder. Parameter names mirror transformers' (kernels transposed)."""
+  """Qwen3 / Qwen3-MoE / Llama decoder. Parameter names mirror transformers' (kernels
+  transposed; experts stacked [E, in, out], stored per expert)."""
 
   def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
     rngs = rngs if rngs is not None else nnx.Rngs(0)
@@ -126,7 +134,8 @@ class Qwen3(nnx.Module):
     self.dtype = dtype
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                   rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+    sparse = cfg.moe.sparse_layers if cfg.moe else (False,) * cfg.num_layers
+    self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, s) for s in sparse])
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
     if not cfg.tie_embeddings:
       self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)

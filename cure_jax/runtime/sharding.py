@@ -7,6 +7,15 @@ embedding [V, H] and lm_head [H, V] on the vocabulary; norms and the DFlash `fc`
 and every per-sequence array of the decoding state on its leading batch axis. Parameters are
 replicated over `data`.
 
+Qwen3-MoE experts are split on their intermediate axis, like a dense MLP: each expert's
+gate/up kernels [E, H, I] on I, down [E, I, H] on I, the router replicated; every chip holds
+1/model of every expert. Expert parallelism (whole experts per chip, tokens dispatched with an
+all-to-all in a shard_map) was not chosen: a decoding step routes a few dozen token-slots to
+8..~80 of 128 experts, which land unevenly on chips (the step waits for the busiest one) and
+add two all-to-alls per layer to a step that is latency-bound. Split on I, every chip reads
+1/model of each routed expert whatever the routing, and the only collective is the all-reduce
+after down_proj that a dense MLP has too. The model axis must divide moe_intermediate_size.
+
 Nothing in the models or the decoding loop names a device: the jitted prefill / decode take
 sharded parameters and are compiled with the state's shardings as outputs, and XLA's sharding
 propagation inserts the collectives (an all-reduce after o_proj and after down_proj, a
@@ -42,6 +51,10 @@ RULES: tuple[tuple[str, tuple, str | None], ...] = (
     (r"(^|/)self_attn/o_proj/kernel$", (MODEL, None), "num_attention_heads"),
     (r"(^|/)mlp/(gate_proj|up_proj)/kernel$", (None, MODEL), "intermediate_size"),
     (r"(^|/)mlp/down_proj/kernel$", (MODEL, None), "intermediate_size"),
+    (r"(^|/)mlp/gate/kernel$", (None, None), None),  # MoE router [H, E]: replicated
+    (r"(^|/)mlp/experts/(gate_proj|up_proj)/kernel$", (None, None, MODEL),
+     "moe_intermediate_size"),
+    (r"(^|/)mlp/experts/down_proj/kernel$", (None, MODEL, None), "moe_intermediate_size"),
     (r"(^|/)fc/kernel$", (None, None), None),        # DFlash feature projection: replicated
     (r"(^|/)[a-z_]*norm/weight$", (None,), None),   # every RMSNorm (incl. q_norm, k_norm)
 )
@@ -92,8 +105,12 @@ def spec_for(path, shape: Sequence[int], mesh: Mesh) -> P:
 def check_config(cfg, mesh: Mesh, name: str = "model") -> None:
   """Fails early, naming the dimension, when a model config cannot be split over mesh.model."""
   m = mesh.shape[MODEL]
-  dims = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-          "intermediate_size": cfg.intermediate_size}
+  moe = getattr(cfg, "moe", None)
+  dims = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads}
+  if moe is None or not all(moe.sparse_layers):   # some layer has a dense MLP
+    dims["intermediate_size"] = cfg.intermediate_size
+  if moe is not None:
+    dims["moe_intermediate_size"] = moe.intermediate_size
   if hasattr(cfg, "vocab_size"):
     dims["vocab_size"] = cfg.vocab_size
   bad = {k: v for k, v in dims.items() if v % m}
@@ -102,7 +119,8 @@ def check_config(cfg, mesh: Mesh, name: str = "model") -> None:
     what = ", ".join(f"{k}={v}" for k, v in bad.items())
     raise ValueError(
         f"the {name} cannot be split over mesh.model={m}: {what} not divisible by {m} (tensor "
-        f"parallelism splits attention heads, KV heads, the MLP and the vocabulary evenly). Use "
+        f"parallelism splits attention heads, KV heads, the MLP or experts' intermediate and the "
+        f"vocabulary evenly). Use "
         f"a mesh.model that divides {', '.join(f'{k}={v}' for k, v in dims.items())} (e.g. "
         f"--config.mesh.model={fits}) and put the remaining devices on mesh.data.")
 

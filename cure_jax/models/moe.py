@@ -1,0 +1,119 @@
+"""The Qwen3-MoE sparse MLP: a softmax router picks top_k of num_experts SwiGLU experts per token.
+
+Experts are stacked ([E, in, out] kernels) and run as grouped matmuls, never as a Python loop
+over experts nor as one dense pass through all of them. Two lowerings, chosen by the static
+token count N (batch x tokens of the call):
+
+* N * top_k > num_experts (prefill, large trees): tokens are sorted by expert and the three
+  projections are `jax.lax.ragged_dot` over the sorted rows with per-expert group sizes. On TPU
+  XLA makes this a grouped-matmul kernel. On GPU, XLA (jax 0.10.2) lowers ragged_dot densely: a
+  masked copy of the rows per expert and one dot over every expert (measured for issue 33 on an
+  H100 target: 128 tokens x 128 experts became a [128, 128, 2048] copy), so it reads all experts.
+  With this many token-slots that costs at most what the gather below would.
+* N * top_k <= num_experts (decoding, chain verification: Qwen3-Coder-30B-A3B with 128 experts
+  and 8 per token switches at N = 16): each token's routed experts' weight slices are gathered
+  and contracted per token, reading N * top_k expert slices (at most all of them) whatever the
+  platform.
+
+Numerics follow transformers' Qwen3MoeSparseMoeBlock: router logits in the activation dtype,
+softmax in float32, top-k of the probabilities, renormalised when norm_topk_prob, cast back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cure_jax.models.layers import linear
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int
+  top_k: int
+  intermediate_size: int              # each expert's (HF moe_intermediate_size)
+  norm_topk_prob: bool
+  sparse_layers: tuple[bool, ...]     # per decoder layer: sparse MLP (True) or dense SwiGLU
+
+  @classmethod
+  def from_hf(cls, config: dict, num_layers: int) -> "MoEConfig":
+    """HF Qwen3-MoE fields; layer i is sparse unless listed in mlp_only_layers or
+    (i + 1) % decoder_sparse_step != 0 (transformers' rule). transformers 5 saves num_experts
+    as num_local_experts; the Hub configs say num_experts."""
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    step = int(config.get("decoder_sparse_step", 1))
+    dense = set(config.get("mlp_only_layers") or ())
+    sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0
+                   for i in range(num_layers))
+    return cls(num_experts=experts, top_k=int(config["num_experts_per_tok"]),
+               intermediate_size=int(config["moe_intermediate_size"]),
+               norm_topk_prob=bool(config.get("norm_topk_prob", False)), sparse_layers=sparse)
+
+  def gathers(self, tokens: int) -> bool:
+    """Whether a call over `tokens` rows gathers expert slices instead of ragged_dot."""
+    return tokens * self.top_k <= self.num_experts
+
+
+class Kernel(nnx.Module):
+  """One stacked projection [E, in, out]; named `kernel` so it is stored like nnx.Linear's
+  (per expert [out, in] in HF files)."""
+
+  def __init__(self, experts: int, din: int, dout: int, dtype, rngs: nnx.Rngs):
+    init = jax.nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
+    self.kernel = nnx.Param(init(rngs.params(), (experts, din, dout), dtype))
+
+
+class Experts(nnx.Module):
+  def __init__(self, cfg: MoEConfig, hidden: int, dtype, rngs: nnx.Rngs):
+    e, i = cfg.num_experts, cfg.intermediate_size
+    self.gate_proj = Kernel(e, hidden, i, dtype, rngs)
+    self.up_proj = Kernel(e, hidden, i, dtype, rngs)
+    self.down_proj = Kernel(e, i, hidden, dtype, rngs)
+
+  def gathered(self, x, experts):
+    """x [N, H], experts [N, k] -> [N, k, H]: each token through its own experts' slices."""
+    wg = self.gate_proj.kernel[...][experts]                             # [N, k, H, I]
+    wu = self.up_proj.kernel[...][experts]
+    wd = self.down_proj.kernel[...][experts]                             # [N, k, I, H]
+    h = jax.nn.silu(jnp.einsum("nh,nkhi->nki", x, wg)) * jnp.einsum("nh,nkhi->nki", x, wu)
+    return jnp.einsum("nki,nkih->nkh", h, wd)
+
+  def grouped(self, x, experts):
+    """x [N, H], experts [N, k] -> [N, k, H] through ragged_dot over rows sorted by expert."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)                                           # [N*k]
+    order = jnp.argsort(flat, stable=True)
+    rows = x[order // k]                                                 # [N*k, H] sorted
+    sizes = jnp.bincount(flat, length=self.gate_proj.kernel.shape[0]).astype(jnp.int32)  # [E]
+    g = jax.lax.ragged_dot(rows, self.gate_proj.kernel[...], sizes)      # [N*k, I]
+    u = jax.lax.ragged_dot(rows, self.up_proj.kernel[...], sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, self.down_proj.kernel[...], sizes)  # [N*k, H]
+    return y[jnp.argsort(order)].reshape(n, k, -1)
+
+
+class SparseMoE(nnx.Module):
+  """HF names: `gate` (the router, [E, H] in HF files) and `experts.{gate,up,down}_proj`."""
+
+  def __init__(self, cfg: MoEConfig, hidden: int, dtype, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.gate = linear(hidden, cfg.num_experts, dtype, rngs)
+    self.experts = Experts(cfg, hidden, dtype, rngs)
+
+  def route(self, x):
+    """x [N, H] -> routing weights [N, k] (x's dtype) and expert ids [N, k]."""
+    probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)   # [N, E]
+    weights, experts = jax.lax.top_k(probs, self.cfg.top_k)
+    if self.cfg.norm_topk_prob:
+      weights = weights / weights.sum(-1, keepdims=True)
+    return weights.astype(x.dtype), experts
+
+  def __call__(self, x):
+    """x [..., H] -> [..., H]."""
+    flat = x.reshape(-1, x.shape[-1])                                    # [N, H]
+    weights, experts = self.route(flat)
+    run = self.experts.gathered if self.cfg.gathers(flat.shape[0]) else self.experts.grouped
+    out = jnp.einsum("nkh,nk->nh", run(flat, experts), weights)
+    return out.reshape(x.shape)
