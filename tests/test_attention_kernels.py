@@ -175,8 +175,8 @@ def _chunk_reference(q, k_cache, v_cache, k_new, v_new, lengths):
 
 
 @pytest.mark.parametrize("lengths", [(0, 128), (64, 256), (192, 5)])
-def test_prompt_chunk_kernel_and_xla_form_equal_softmax_attention(lengths):
-  """prefix.attend's two forms: the GPU kernel (interpreted) and XLA's blocks over the cache; a
+def test_prompt_chunk_kernels_and_xla_form_equal_softmax_attention(lengths):
+  """prefix.attend's forms: the GPU and TPU kernels (interpreted), XLA's blocks over the cache; a
   chunk of 128 tokens (two row blocks, the diagonal key blocks) after caches of 256 slots filled
   to `lengths` (empty, a key block, whole, part of one). Rows past `count` are padding."""
   from cure_jax.models.kernels import gpu_prefix, prefix
@@ -189,7 +189,9 @@ def test_prompt_chunk_kernel_and_xla_form_equal_softmax_attention(lengths):
   want = _chunk_reference(*args, lengths)
   assert gpu_prefix.tiles(s, t, d)
   kernel = gpu_prefix.attend(*map(jnp.asarray, args), jnp.asarray(lengths), interpret=True)
-  xla = prefix.xla_attend(*map(jnp.asarray, args), jnp.asarray(lengths), jnp.asarray(count))
-  for got in (kernel, xla):
+  more = (jnp.asarray(lengths), jnp.asarray(count))
+  tpu = prefix.tpu_attend(*map(jnp.asarray, args), *more, interpret=True)
+  xla = prefix.xla_attend(*map(jnp.asarray, args), *more)
+  for got in (kernel, tpu, xla):
     for row, n in enumerate(count):
       np.testing.assert_allclose(np.asarray(got)[row, :n], want[row, :n], rtol=2e-5, atol=2e-5)

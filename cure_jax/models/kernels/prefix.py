@@ -8,14 +8,15 @@ online softmax, so no score tensor larger than [B, H, T, T] exists and the work 
 with the prompt so far, not with `max_len`. This form runs on every platform.
 
 On NVIDIA GPUs the same contract is gpu_prefix's Triton flash kernel (the scores stay on
-chip); elsewhere, and for shapes it does not tile, this module's XLA form. Why not the kernels
+chip); on TPUs it is the decode kernel (tpu_attention), whose rows take a chunk of up to about
+512 tokens in VMEM (its masks are int8 [T, S] and [T, T] a row); elsewhere, and for shapes the
+kernels do not tile, this module's XLA form. Why not the kernels
 JAX ships: Pallas flash attention (GPU mha, TPU flash) aligns its causal mask at slot 0 of one
 key array and splash attention's masks are static arrays, while a chunk follows a cache prefix
 whose length is a loop variable; cuDNN's fused attention (jax.nn.dot_product_attention) has not
 been tried here (this project measures GPUs through compile-only targets, with no GPU to build a
-cuDNN graph on). The project's decode kernels (tpu_attention, gpu_attention) keep all of a
-block's new tokens on chip at once, which a chunk of hundreds of tokens does not fit. On a TPU
-XLA writes each [T, T] score block to memory: a TPU chunk kernel is still to come.
+cuDNN graph on). The GPU decode kernel (gpu_attention) keeps all of a block's new tokens on
+chip in each 16-row program, which a chunk of hundreds of tokens does not fit.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from cure_jax.models.kernels import gpu_prefix
+from cure_jax.models.kernels import gpu_prefix, tpu_attention
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -45,10 +46,25 @@ def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix):
   """q [B, T, H, D]; k_cache/v_cache [B, KVH, S, D]; k_new/v_new [B, T, KVH, D] -> [B, T, H, D]
   (rows past prefix.count are padding: what they hold is unspecified)."""
   args = (q, k_cache, v_cache, k_new, v_new, prefix.lengths, prefix.count)
-  if not gpu_prefix.tiles(k_cache.shape[2], q.shape[1], q.shape[3]):
+  platforms = {}
+  if gpu_prefix.tiles(k_cache.shape[2], q.shape[1], q.shape[3]):
+    platforms["cuda"] = lambda *a: gpu_prefix.attend(*a[:-1])
+  if tpu_attention.tiles(k_cache.shape[2]):
+    platforms["tpu"] = tpu_attend
+  if not platforms:
     return xla_attend(*args)
-  return jax.lax.platform_dependent(
-      *args, cuda=lambda *a: gpu_prefix.attend(*a[:-1]), default=xla_attend)
+  return jax.lax.platform_dependent(*args, **platforms, default=xla_attend)
+
+
+def tpu_attend(q, k_cache, v_cache, k_new, v_new, lengths, count, *, interpret: bool = False):
+  """attend through tpu_attention's kernel: the chunk's rows are one block's, the cache's
+  visible slots and the chunk's causal mask as int8 masks ([T, S] and [T, T] a row)."""
+  t = q.shape[1]
+  i = jnp.arange(t)
+  mask_old = (jnp.arange(k_cache.shape[2])[None] < lengths[:, None])[:, None, None]  # [B,1,1,S]
+  mask_new = (i[:, None] >= i[None]) & (i[None, None] < count[:, None, None])       # [B, T, T]
+  return tpu_attention.attend(q[:, None], k_cache, v_cache, k_new[:, None], v_new[:, None],
+                              mask_old, mask_new[:, None], interpret=interpret)[:, 0]
 
 
 def xla_attend(q, k_cache, v_cache, k_new, v_new, lengths, count):
