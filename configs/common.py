@@ -25,6 +25,8 @@ def base_config() -> ml_collections.ConfigDict:
       path="",                      # DFlash directory (chain, cure) or small Qwen3 (ar_draft)
       block_size=0,                 # 0: the drafter's own block size; for ar_draft gamma + 1
       gamma=4,                      # ar_draft: drafted tokens per iteration
+      window=0,                     # DFlash: the drafter sees the last `window` context
+                                    # positions plus its block; 0 = the whole context
   ))
   config.dtype = "float32"          # parameter dtype: float32 | bfloat16
   config.prompts = ""               # JSONL: {"prompt": text} or {"prompt_ids": [ints]} per line
@@ -32,7 +34,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.chat_template = True       # wrap text prompts in the tokenizer's chat template
   config.max_new_tokens = 128
   config.ignore_eos = False         # True: decode exactly max_new_tokens
-  config.max_len = 0                # static cache length; 0: prompt + max_new_tokens
+  config.max_len = 0                # static cache length; 0: prompt + max_new_tokens. Set, one
+                                    # compiled prefill serves every prompt up to it
+  config.prefill_chunk = 512        # prompt tokens per prefill step (memory ~ chunk x max_len)
   config.batch_size = 1
   config.mesh = ml_collections.ConfigDict(dict(
       data=1,                       # batch split over this many devices

@@ -14,7 +14,7 @@ from flax import nnx
 
 from cure_jax.tree import repair
 from cure_jax.runtime import sharding
-from cure_jax.runtime.generation import Generator
+from cure_jax.runtime.generation import PREFILL_CHUNK, Generator
 from cure_jax.analysis import random_models
 from tests.fake_devices import run_in_child
 
@@ -37,23 +37,29 @@ def _mesh(data, model):
   return sharding.make_mesh(data, model, devices=jax.devices()[:data * model])
 
 
-def _generator(method, target, drafter, mesh=None):
+def _generator(method, target, drafter, mesh=None, **kw):
   cure = repair.RepairConfig(tau_margin=1e9, v_max=12, max_depth=ARCH.block_size - 1)
   return Generator(target, drafter if method != "ar" else None, method=method,
-                   max_new_tokens=MAX_NEW, cure=cure if method == "cure" else None, mesh=mesh)
+                   max_new_tokens=MAX_NEW, cure=cure if method == "cure" else None, mesh=mesh,
+                   **kw)
 
 
 @on_mesh
+@pytest.mark.parametrize("chunk", [PREFILL_CHUNK, 4], ids=["one_step_prefill", "chunks_of_4"])
 @pytest.mark.parametrize("method", ["ar", "chain", "cure"])
-def test_sharded_decoding_equals_unsharded(method):
+def test_sharded_decoding_equals_unsharded(method, chunk):
+  """Against one device prefilling each prompt in one step; prompts of 7, 8 and 9 tokens with
+  chunks of 4 (under, at and over a chunk multiple)."""
   target, drafter = random_models.pair(ARCH, 5)
-  batch = random_models.prompts(5, ARCH.vocab, 3)   # 3 prompts: padded to 4 for data=2
+  # 3 prompts: padded to 4 for data=2
+  batch = (random_models.prompts(5, ARCH.vocab, 3) if chunk == PREFILL_CHUNK else
+           [random_models.prompts(5 + n, ARCH.vocab, 1, lo=n, hi=n)[0] for n in (7, 8, 9)])
   ref = _generator(method, target, drafter).generate(batch)
   assert method == "ar" or any(n >= 2 for r in ref for n in r.accept_lengths)  # drafts accepted
   branch = lambda r: [s["winning_branch"] for s in r.stats]
   assert method != "cure" or any(any(branch(r)) for r in ref)                  # repairs won
   for data, model in ((1, 2), (2, 2)):
-    gen = _generator(method, target, drafter, _mesh(data, model))
+    gen = _generator(method, target, drafter, _mesh(data, model), prefill_chunk=chunk)
     got = gen.generate(batch)
     assert len(got) == len(batch)
     for g, r in zip(got, ref):

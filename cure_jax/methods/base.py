@@ -36,6 +36,8 @@ class Spec:
   block_size: int = 1                      # K: tree depth + 1 (chain/cure), gamma + 1 (ar_draft)
   mask_token_id: int = 0
   feature_layers: tuple[int, ...] = ()
+  prefill_chunk: int = 512                 # prompt tokens per prefill step (one compile for all)
+  drafter_window: int = 0                  # DFlash: context positions drafts see; 0 = all
   cure: repair.RepairConfig | None = None
   sampling: Sampling = Sampling()
 
@@ -168,11 +170,16 @@ class Method:
     del spec
     return False
 
-  def init_drafter(self, drafter, spec: Spec, target_out, prompt, prompt_len, positions, mask):
-    """The drafter's state after the prompt [B, P] (None without a drafter); target_out is the
-    target's prefill output, mask the prompt's causal mask [B, P, P]."""
-    del drafter, spec, target_out, prompt, prompt_len, positions, mask
+  def init_drafter(self, drafter, spec: Spec, batch: int):
+    """The drafter's state before the prompt (None without a drafter)."""
+    del drafter, spec, batch
     return None
+
+  def prefill_drafter(self, drafter, dcache, spec: Spec, target_out, tokens, positions, chunk):
+    """The drafter's state after one prompt chunk: tokens, positions [B, T], target_out the
+    target's output over them, chunk their Prefix (the first chunk.count tokens are real)."""
+    del drafter, spec, target_out, tokens, positions, chunk
+    return dcache
 
   def propose(self, target, drafter, dcache, spec: Spec, key, anchor, lengths, limit,
               want_tree=None):

@@ -1,8 +1,8 @@
 """The jitted generation loop shared by every method.
 
-`prefill` runs the prompt through the target (and the drafter), `decode` runs
+`prefill` runs the prompt through the target (and the drafter) in chunks, `decode` runs
 `lax.while_loop` over iterations of propose -> verify -> commit -> resync until every sequence
-has its tokens or hit a stop token. Both are compiled once per (Spec, batch, prompt bucket);
+has its tokens or hit a stop token. Both are compiled once per (Spec, batch, cache length);
 the loop never returns to the host between iterations. What differs between methods is asked
 of `spec.impl` (cure_jax/methods); this file names no method.
 """
@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cure_jax.methods.base import Proposal, Spec, Verified, choose, depth_limit
 from cure_jax.models.cache import KVCache
+from cure_jax.models.kernels.prefix import Prefix
 from cure_jax.runtime import sharding
 from cure_jax.tree import budget as budget_lib, sampling, verify
 
@@ -68,25 +69,47 @@ def _is_stop(spec: Spec, tokens):
   return jnp.isin(tokens, jnp.asarray(spec.stop_ids, tokens.dtype))
 
 
+def prefill_chunks(target, drafter, spec: Spec, prompt, prompt_len):
+  """The prompt [B, P] into the target cache (and the drafter's state), spec.prefill_chunk
+  tokens a step; the steps are a loop count, so one compiled program serves every prompt length.
+
+  Each chunk attends to the cache so far and causally to itself (kernels/prefix.py): nothing
+  [P, P] is built. Rows of different lengths share the steps; a row whose prompt has ended
+  takes no more tokens. Returns (target cache, drafter state, final hidden state [B, H] at each
+  row's last prompt token)."""
+  b, p = prompt.shape
+  c = min(spec.prefill_chunk, p)
+  prompt = jnp.pad(prompt, ((0, 0), (0, -p % c)))                          # [B, chunks * C]
+
+  def step(i, carry):
+    cache, dcache, last = carry
+    start = i * c
+    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, c, axis=1)       # [B, C]
+    positions = jnp.broadcast_to(start + jnp.arange(c), (b, c))
+    chunk = Prefix(lengths=cache.lengths, count=jnp.clip(prompt_len - start, 0, c))
+    out = target(tokens, positions, cache, chunk, spec.feature_layers)
+    at = prompt_len - 1 - start                                            # [B]
+    here = jnp.take_along_axis(out.hidden, jnp.clip(at, 0, c - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.where(((at >= 0) & (at < c))[:, None], here, last)
+    dcache = spec.impl.prefill_drafter(drafter, dcache, spec, out, tokens, positions, chunk)
+    return cache.append(out.k, out.v, chunk.count), dcache, last
+
+  init = (target.init_cache(b, spec.max_len), spec.impl.init_drafter(drafter, spec, b),
+          jnp.zeros((b, target.cfg.hidden_size), target.dtype))
+  steps = (jnp.max(prompt_len) + c - 1) // c
+  return jax.lax.fori_loop(0, steps, step, init)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> State:
   """prompt [B, P] right-padded ids, prompt_len [B], a PRNG key (for sampling; default seed 0)
   -> the state before the first iteration."""
   key = jax.random.key(0) if key is None else key
   target, drafter = _merge(graphdef, params)
-  b, p = prompt.shape
-  s = spec.max_len
-  positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-  # The prompt attends to itself only: an empty (length-0) cache keeps XLA from constant-folding
-  # attention over an all-zero cache, which can take minutes at large batch.
-  mask = jnp.tril(jnp.ones((p, p), bool))[None] & (jnp.arange(p)[None, None] <
-                                                   prompt_len[:, None, None])
-  out = target(prompt, positions, target.init_cache(b, 0), mask, spec.feature_layers)
-  last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+  b = prompt.shape[0]
+  cache, dcache, last = prefill_chunks(target, drafter, spec, prompt, prompt_len)
   key, sub = jax.random.split(key)
   first, _ = choose(spec, sub, target.logits(last))
-  cache = target.init_cache(b, s).append(out.k, out.v, prompt_len)
-  dcache = spec.impl.init_drafter(drafter, spec, out, prompt, prompt_len, positions, mask)
 
   n = spec.max_new_tokens
   u = spec.cure.max_repair_positions if spec.cure else 1

@@ -17,6 +17,7 @@ from cure_jax.tree import repair
 from cure_jax.tree.sampling import Sampling
 
 PROMPT_BUCKET = 32
+PREFILL_CHUNK = Spec.prefill_chunk   # prompt tokens per prefill step; configs/ may change it
 _EXECUTABLES: dict[tuple, tuple] = {}  # (graphdef, Spec, batch, bucket, mesh) -> (prefill, decode)
 
 
@@ -49,13 +50,16 @@ def prompt_bucket(length: int) -> int:
 
 def decoding_spec(method: str, drafter, max_new_tokens: int, max_len: int, stop_ids=(),
                   block_size: int = 1, cure: repair.RepairConfig | None = None,
-                  sampling: Sampling = Sampling()) -> Spec:
+                  sampling: Sampling = Sampling(), prefill_chunk: int = PREFILL_CHUNK,
+                  drafter_window: int = 0) -> Spec:
   """The static Spec of a run; the method takes what it needs from the drafter (a DFlash
   drafter's mask token and target layers). Works on abstract modules (nnx.eval_shape) too."""
   impl = methods.get(method)
   return Spec(method=method, max_new_tokens=max_new_tokens, max_len=max_len,
               stop_ids=tuple(stop_ids), block_size=block_size,
               cure=cure if impl.tree_config else None, sampling=sampling,
+              prefill_chunk=prefill_chunk,
+              drafter_window=drafter_window if impl.drafter_kind == "block" else 0,
               **impl.spec_fields(drafter))
 
 
@@ -69,10 +73,18 @@ class Generator:
   def __init__(self, target, drafter=None, *, method: str, max_new_tokens: int,
                stop_ids=(), block_size: int | None = None, cure: repair.RepairConfig | None = None,
                max_len: int | None = None, mesh=None, sampling: Sampling = Sampling(),
-               seed: int = 0, compiler_options: dict[str, str] | None = None):
+               seed: int = 0, compiler_options: dict[str, str] | None = None,
+               prefill_chunk: int = PREFILL_CHUNK, drafter_window: int = 0):
     impl = methods.get(method)
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if prefill_chunk < 1:
+      raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1 (prompt tokens per prefill "
+                       "step; 512 is the default)")
+    if drafter_window < 0:
+      raise ValueError(f"drafter.window={drafter_window} must be >= 0 (context positions the "
+                       "DFlash drafter sees; 0 = all)")
+    self.prefill_chunk, self.drafter_window = prefill_chunk, drafter_window
     if impl.drafter_kind and drafter is None:
       raise ValueError(f"method={method!r} needs a drafter (set drafter.path)")
     self.target, self.drafter = target, (drafter if impl.drafter_kind else None)
@@ -102,7 +114,8 @@ class Generator:
 
   def spec(self, max_len: int) -> Spec:
     return decoding_spec(self.method, self.drafter, self.max_new_tokens, max_len, self.stop_ids,
-                         self.block_size, self.cure, self.sampling)
+                         self.block_size, self.cure, self.sampling, self.prefill_chunk,
+                         self.drafter_window)
 
   def cache_len(self, prompt_len: int) -> int:
     """The static cache length for a prompt bucket; checks the user's max_len if given."""
@@ -153,7 +166,8 @@ class Generator:
       prompts = list(prompts) + [prompts[-1]] * (-count % sharding.batch_multiple(self.mesh))
     longest = max(len(p) for p in prompts)
     max_len = self.cache_len(longest)
-    bucket = prompt_bucket(longest)
+    # with a fixed max_len every prompt pads to it: one compiled prefill for all lengths
+    bucket = max_len if self.max_len else prompt_bucket(longest)
     pre, dec = self._executables(len(prompts), bucket, max_len)
     padded = np.zeros((len(prompts), bucket), np.int32)
     for i, p in enumerate(prompts):

@@ -188,7 +188,9 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
                    max_len=int(config.max_len) or None, mesh=mesh_of(config),
                    sampling=Sampling(float(config.temperature), int(config.top_k),
                                      float(config.top_p)), seed=int(config.seed),
-                   compiler_options=compiler_options(config.compiler_options))
+                   compiler_options=compiler_options(config.compiler_options),
+                   prefill_chunk=int(config.prefill_chunk),
+                   drafter_window=int(config.drafter.window))
 
 
 def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,
