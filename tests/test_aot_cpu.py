@@ -120,3 +120,35 @@ def test_a_program_that_does_not_fit_is_recorded_and_the_run_goes_on(pair_dirs):
   assert block >= ARCH.layers * 2 * ARCH.kv_heads * 16 * 16 * 4   # the K and V blocks it reads
   assert pre["hbm_bytes"] == pytest.approx(3 * pre["chunk_hbm_bytes"])   # 3 blocks either way
   assert pre["by_label"]["cache_blocks_beyond_one"] == 0 and "x the chunks" in pre["rule"]
+
+
+MOE = random_models.Arch(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                         draft_layers=1, block_size=4, target_layer_ids=(0, 1), experts=8,
+                         dense_layers=(1,))
+
+
+def test_a_config_sets_the_defaults_and_an_moe_pair_compiles(tmp_path):
+  """configs/qwen3_coder_30b_a3b.py's `aot` fields, pointed at a small MoE pair: no flag names
+  the pair, the methods, the batch or the output, yet they are the ones compiled and written."""
+  for name, cfg in zip(("target", "drafter"),
+                       random_models.hf_configs(MOE.target_cfg(), MOE.drafter_cfg())):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+  (tmp_path / "small.py").write_text(
+      "from configs import qwen3_coder_30b_a3b\n\n\ndef get_config():\n"
+      "  config = qwen3_coder_30b_a3b.get_config()\n"
+      f"  config.aot.update(target={str(tmp_path / 'target')!r}, "
+      f"drafter={str(tmp_path / 'drafter')!r}, topology='cpu', methods='ar,chain', batch='1', "
+      f"output={str(tmp_path / 'out')!r})\n"
+      "  return config\n")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  child = subprocess.run([sys.executable, "-m", "experiments.aot",
+                          f"--config={tmp_path / 'small.py'}", "--config.dtype=float32",
+                          "--max_len=128", "--prompt_len=16", "--programs=decode"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert child.returncode == 0, child.stderr[-3000:]
+  data = json.loads((tmp_path / "out.json").read_text())
+  assert data["meta"]["target"] == str(tmp_path / "target")
+  assert [r["case"] for r in data["records"]] == ["decode/ar/b1", "decode/chain/b1"]
+  assert all(r["iteration"]["by_label"]["target_weights"] > 0 for r in data["records"])

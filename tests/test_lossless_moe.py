@@ -2,8 +2,9 @@
 target-only greedy tokens on random MoE pairs (dense layers mixed in), on one device, on a 2 x 4
 mesh of fake CPU devices (experts split over `model`) and across 2 processes.
 
-The verify passes run the experts through ragged_dot (many tokens) while target-only decoding
-at batch 3 gathers expert slices (few tokens), so both lowerings meet in every comparison. The
+On MOE the verify passes run the experts through ragged_dot (many tokens) while target-only
+decoding at batch 3 gathers expert slices (3 * 3 * top_k <= experts), so both lowerings meet in
+its comparisons. The
 machinery is test_lossless's, test_sharding's and test_multiprocess's."""
 
 import json
@@ -18,9 +19,9 @@ from tests.test_lossless import _cure, check_equals_target_greedy
 from tests.test_multiprocess import _decode_args, _launch
 from tests.test_sharding import DEVICES, _mesh, on_mesh
 
-# 4 experts, 2 per token, layer 1 dense; 6 experts, 3 per token, raw (unnormalised) weights.
+# 24 experts, 2 per token, layer 1 dense; 6 experts, 3 per token, raw (unnormalised) weights.
 # Both split 4 ways (heads, KV heads, expert intermediate = hidden, vocabulary).
-MOE = random_models.Arch(heads=4, kv_heads=4, experts=4, top_k=2, dense_layers=(1,))
+MOE = random_models.Arch(heads=4, kv_heads=4, experts=24, top_k=2, dense_layers=(1,))
 MOE_RAW = random_models.Arch(vocab=12, heads=4, kv_heads=4, experts=6, top_k=3,
                              norm_topk_prob=False, dense_layers=(0,))
 MAX_NEW = 16

@@ -1,8 +1,9 @@
 """Our Qwen3-MoE decoder, loaded through the converter from save_pretrained directories, against
 transformers' Qwen3MoeForCausalLM on random configs with dense layers mixed in.
 
-Prefill over BATCH x LENGTH tokens takes the ragged_dot lowering (N * top_k > experts); one-token
-decoding steps take the gathered-slices one, so both are checked against the reference."""
+Prefill over BATCH x LENGTH tokens takes the ragged_dot lowering; one-token decoding steps at
+batch 2 take the gathered-slices one (3 * 2 * top_k <= experts), so both are checked against the
+reference."""
 
 import types
 
@@ -23,9 +24,9 @@ _MOE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_d
 # name -> (config kwargs, save_pretrained shard size): renormalised and raw top-k weights, dense
 # layers from mlp_only_layers and from decoder_sparse_step, one file and sharded files.
 CASES = {
-    "norm_topk_mlp_only": (dict(_MOE, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    "norm_topk_mlp_only": (dict(_MOE, num_experts=16, num_experts_per_tok=2, norm_topk_prob=True,
                                 decoder_sparse_step=1, mlp_only_layers=[1]), None),
-    "raw_topk_sparse_step2_sharded": (dict(_MOE, num_experts=6, num_experts_per_tok=3,
+    "raw_topk_sparse_step2_sharded": (dict(_MOE, num_experts=18, num_experts_per_tok=3,
                                            norm_topk_prob=False, decoder_sparse_step=2,
                                            mlp_only_layers=[]), "40KB"),
 }

@@ -4,16 +4,19 @@ Experts are stacked ([E, in, out] kernels) and run as grouped matmuls, never as 
 over experts nor as one dense pass through all of them. Two lowerings, chosen by the static
 token count N (batch x tokens of the call):
 
-* N * top_k > num_experts (prefill, large trees): tokens are sorted by expert and the three
-  projections are `jax.lax.ragged_dot` over the sorted rows with per-expert group sizes. On TPU
-  XLA makes this a grouped-matmul kernel. On GPU, XLA (jax 0.10.2) lowers ragged_dot densely: a
-  masked copy of the rows per expert and one dot over every expert (measured for issue 33 on an
-  H100 target: 128 tokens x 128 experts became a [128, 128, 2048] copy), so it reads all experts.
-  With this many token-slots that costs at most what the gather below would.
-* N * top_k <= num_experts (decoding, chain verification: Qwen3-Coder-30B-A3B with 128 experts
-  and 8 per token switches at N = 16): each token's routed experts' weight slices are gathered
-  and contracted per token, reading N * top_k expert slices (at most all of them) whatever the
-  platform.
+* 3 * N * top_k > num_experts (prefill, verification of blocks and trees): tokens are sorted by
+  expert and the three projections are `jax.lax.ragged_dot` over the sorted rows with
+  per-expert group sizes. On TPU XLA makes this a grouped-matmul kernel. On GPU, XLA (jax
+  0.10.2) lowers ragged_dot densely: a masked copy of the rows per expert and one dot over every
+  expert (measured for issue 33 on an H100 target: 128 tokens x 128 experts became a
+  [128, 128, 2048] copy), so it reads every expert once.
+* 3 * N * top_k <= num_experts (decoding a few tokens): each token's routed experts' weight
+  slices are gathered and contracted per token. XLA's GPU compiler does not fuse the gather (nor
+  a dynamic-slice) into the GEMM, so each slice is read, written as a copy and read again: three
+  slices' traffic per token-slot (measured, H200 compile of Qwen3-Coder-30B-A3B: AR at batch 1
+  moved 15.1 GB per step for 5.5 GB of weights read; a 16-token chain verify that gathered, 141
+  GB). Gathering pays while that is below one read of every expert: up to 5 tokens per call for
+  128 experts and 8 per token (AR at batch 1-5), ragged_dot above.
 
 Numerics follow transformers' Qwen3MoeSparseMoeBlock: router logits in the activation dtype,
 softmax in float32, top-k of the probabilities, renormalised when norm_topk_prob, cast back.
@@ -53,8 +56,9 @@ class MoEConfig:
                norm_topk_prob=bool(config.get("norm_topk_prob", False)), sparse_layers=sparse)
 
   def gathers(self, tokens: int) -> bool:
-    """Whether a call over `tokens` rows gathers expert slices instead of ragged_dot."""
-    return tokens * self.top_k <= self.num_experts
+    """Whether a call over `tokens` rows gathers expert slices (each costs 3 slice transfers,
+    see above) instead of ragged_dot (every expert once on GPU)."""
+    return 3 * tokens * self.top_k <= self.num_experts
 
 
 class Kernel(nnx.Module):
