@@ -51,7 +51,7 @@ from cure_jax.runtime import decoding, errors, pipeline, sharding
 from cure_jax.models.cache import KVCache
 from cure_jax.runtime.generation import decoding_spec
 from cure_jax.costs import gpu_targets, hlo_traffic, launches
-from cure_jax.analysis import report
+from cure_jax.analysis import compiled_report, report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_8b.py",
                                           "decoding config (dtype, mesh, cure settings)")
@@ -345,80 +345,18 @@ def weight_bytes(target, drafter, mesh, batch: int, max_len: int) -> dict[str, f
   return out
 
 
-# --- report ------------------------------------------------------------------------------------
-
-def _gb(x) -> str:
-  return "" if x is None else f"{x / 1e9:.2f}"
-
-
-def _launches(rec: dict) -> str:
-  """Kernels per iteration: GPU thunks (host launches), else the Pallas / Mosaic TPU kernels."""
-  gpu = (rec.get("gpu_launches") or {}).get("iteration")
-  if gpu:
-    return f"{gpu['kernels']} ({gpu['launches']})"
-  return str(rec["iteration"].get("kernels", 0))
-
-
-def markdown(meta: dict, records: list[dict]) -> str:
-  lines = [f"# AOT compile: {meta['target']} + {meta['drafter']} on {meta['topology']}",
-           "", f"mesh data={meta['mesh'][0]} model={meta['mesh'][1]}, dtype {meta['dtype']}, "
-           f"max_len {meta['max_len']}, prompt bucket {meta['prompt_len']}; per chip: target "
-           f"weights {_gb(meta['weights']['target'])} GB, target KV "
-           f"{_gb(meta['weights']['target_kv'])} GB" + (
-               f", drafter {_gb(meta['weights']['drafter'])} GB"
-               if "drafter" in meta["weights"] else "") + "." + (
-               f" XLA options: {meta['compiler_options']}." if meta.get("compiler_options")
-               else ""), ""]
-  rows = []
-  for r in (r for r in records if not r.get("failed")):
-    it = r["iteration"]
-    labels = it["by_label"]
-    weights = sum(v for k, v in labels.items() if k.endswith(("weights", "head")))
-    b = r["bounds"]
-    rows.append([r["case"], r["compile_s"], _gb(r["argument_bytes"]), _gb(r["temp_bytes"]),
-                 _gb(r["output_bytes"]), str(r.get("donated_state_aliased", "")),
-                 ", ".join(f"{k} {v}" for k, v in it["collectives"].items()) or "0",
-                 it["fusions"], _launches(r), f"{r['xla_flops'] / 1e9:.1f}",
-                 _gb(r["xla_bytes_accessed"]),
-                 _gb(it["hbm_bytes"]), _gb(weights), _gb(it["on_chip_bytes_skipped"]),
-                 f"{b['hbm_over_weights_and_kv']:.3f}",
-                 f"{b['hbm_over_chain_minimum']:.3f}" if "hbm_over_chain_minimum" in b else ""])
-  lines.append(report.md_table(
-      ["program", "compile s", "args GB", "temp GB", "out GB", "state aliased", "collectives",
-       "fusions", "kernels (launches)", "XLA GFLOP", "XLA GB", "HBM GB", "of which weights", "on-chip GB skipped",
-       "HBM / (W + KV)", "HBM / chain min"], rows))
-  failed = [r for r in records if r.get("failed")]
-  if failed:
-    lines += ["", "Did not compile:", ""] + [
-        f"- {r['case']}: asked {_gb(r['bytes_asked']) or '?'} GB of "
-        f"{_gb(r['bytes_available']) or '?'} GB: {r['error'].splitlines()[0][:300]}"
-        for r in failed]
-  lines += ["", "Per iteration of the decode loop, per whole prefill (one chunk's traffic x "
-            f"the chunks, {meta['prompt_len']} tokens in chunks of at most "
-            f"{meta.get('prefill_chunk', '?')}: {PREFILL_RULE}), per pass of forward. XLA's figures "
-            "are its cost analysis of the whole module; HBM GB counts the HBM side of each "
-            "top-level op of the optimized HLO (cure_jax/costs/hlo_traffic.py): on-chip buffers and "
-            "the parts of operands that slices do not read are not counted, which is why it is "
-            "below XLA's bytes accessed.", ""]
-  return "\n".join(lines) + "\n"
-
-
-PREFILL_RULE = ("the whole prefill: one chunk's HBM bytes x the chunks, its loop over cache "
-                "blocks counted once; chunk i reads i cache blocks, so the blocks beyond one "
-                "per chunk are added (label cache_blocks_beyond_one): n (n - 1) / 2 - n of them")
-
-
 def traffic_record(rec: dict, text: str, labels: dict[int, str]) -> dict:
   """rec with the HBM count of `text` (one iteration of its loop, else the whole program)."""
   traffic = hlo_traffic.count(text, labels)
   loop = traffic["loops"][0] if traffic["loops"] else traffic["program"]
   chunks = rec.get("prefill_chunks")
-  if chunks and traffic["loops"]:   # the whole prefill (PREFILL_RULE)
+  if chunks and traffic["loops"]:   # the whole prefill (compiled_report.PREFILL_RULE)
     block = loop["nested_loop_iteration_bytes"]           # one cache block, every layer
     by_label = {k: v * chunks for k, v in loop["by_label"].items()}
     by_label["cache_blocks_beyond_one"] = (chunks * (chunks - 1) / 2 - chunks) * block
     loop = dict(loop, hbm_bytes=sum(by_label.values()), by_label=by_label,
-                chunk_hbm_bytes=loop["hbm_bytes"], chunks=chunks, rule=PREFILL_RULE)
+                chunk_hbm_bytes=loop["hbm_bytes"], chunks=chunks,
+                rule=compiled_report.PREFILL_RULE)
   case = Case(rec["program"], rec["method"], rec["batch"], rec["v_max"])
   return dict(rec, iteration=loop,
               outside_loops=traffic["outside_loops"] if traffic["loops"] else None,
@@ -437,7 +375,7 @@ def recount(output: str, dump: str) -> None:
     labels = {int(k): v for k, v in json.loads(stem.with_suffix(".labels.json").read_text()).items()}
     data["records"][i] = traffic_record(rec, stem.with_suffix(".hlo").read_text(), labels)
   pipeline.write_json(output + ".json", data)
-  report.write_text(output + ".md", markdown(data["meta"], data["records"]))
+  report.write_text(output + ".md", compiled_report.markdown(data["meta"], data["records"]))
   print(f"recounted {len(data['records'])} programs into {output}.json and .md")
 
 
@@ -492,7 +430,8 @@ def main(argv):
       rec = analyse(case, lowered, meta["weights"], dump, options)
     except jax.errors.JaxRuntimeError as e:   # does not fit, or the compiler failed: on we go
       rec = failure(case, e)
-      print(f"{case.name}: did not compile ({_gb(rec['bytes_asked']) or '?'} GB asked): "
+      asked = compiled_report.gb(rec['bytes_asked']) or '?'
+      print(f"{case.name}: did not compile ({asked} GB asked): "
             f"{rec['error'].splitlines()[0][:300]}", flush=True)
     records.append(rec)
     it = rec.get("iteration")
@@ -502,7 +441,7 @@ def main(argv):
             f"{rec['xla_bytes_accessed'] / 1e9:.2f} GB, {it['collectives']}", flush=True)
     out = dict(meta=meta, records=records)
     pipeline.write_json(output + ".json", json.loads(json.dumps(out, default=str)))
-    report.write_text(output + ".md", markdown(meta, records))
+    report.write_text(output + ".md", compiled_report.markdown(meta, records))
   print(f"wrote {output}.json and .md")
 
 
