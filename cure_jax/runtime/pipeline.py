@@ -6,6 +6,7 @@ way and reports the same JSON.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from pathlib import Path
@@ -226,10 +227,14 @@ def summary(results: list[Result]) -> dict:
   lens = [a for r in results for a in r.accept_lengths]
   tokens = sum(len(r.output_ids) for r in results)
   decode_s = sum(r.decode_s for r in results)
-  return dict(prompts=len(results), generated_tokens=tokens, iterations=len(lens),
-              tau=float(np.mean(lens)) if lens else 0.0,
-              tpot_ms=float(np.mean([r.tpot_ms for r in results])),
-              tokens_per_s=float(sum(len(r.output_ids) - 1 for r in results) / max(decode_s, 1e-9)))
+  out = dict(prompts=len(results), generated_tokens=tokens, iterations=len(lens),
+             tau=float(np.mean(lens)) if lens else 0.0,
+             tpot_ms=float(np.mean([r.tpot_ms for r in results])),
+             tokens_per_s=float(sum(len(r.output_ids) - 1 for r in results) / max(decode_s, 1e-9)))
+  taken = collections.Counter(s["budget"] for r in results for s in r.stats if s.get("budget"))
+  if taken:  # a controlled method: iterations per node budget it chose
+    out["budgets"] = " ".join(f"{n}:{c}" for n, c in sorted(taken.items()))
+  return out
 
 
 def result_rows(results: list[Result], tokenizer) -> list[dict]:
