@@ -19,7 +19,7 @@ def process_fields() -> dict:
 
 def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.method = "cure"            # ar | chain | cure | ddtree | hybrid | ar_draft
+  config.method = "cure"            # ar | chain | cure | ddtree | hybrid | ar_draft | auto
   config.target = ml_collections.ConfigDict(dict(path=""))
   config.drafter = ml_collections.ConfigDict(dict(
       path="",                      # DFlash directory (chain, cure) or small Qwen3 (ar_draft)
@@ -63,4 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
       # * n. Costs in any one unit (ms); `experiments.benchmark --table=trees` measures them.
       online=False, cost_draft=1.0, cost_redraft=1.0, cost_verify_base=1.0,
       cost_verify_per_node=0.0, online_decay=0.8, explore_every=8))
+  # method=auto: each iteration a goodput controller picks one of these node budgets (1 = a
+  # plain target step) for the batch, by expected tokens per second (cure_jax/tree/controller.py).
+  # costs: seconds per budget; "" = timed on this device at start-up and cached.
+  config.auto = ml_collections.ConfigDict(dict(budgets="1,4,8,16", costs="", decay=0.8,
+                                               explore_every=16, explore_overhead=0.02))
   return config

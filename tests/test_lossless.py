@@ -3,7 +3,7 @@ tokens, for every method, on many random target/drafter pairs and prompts."""
 
 import pytest
 
-from cure_jax.tree import repair
+from cure_jax.tree import controller, repair
 from cure_jax.runtime.generation import PREFILL_CHUNK, Generator
 from cure_jax.analysis import random_models
 
@@ -55,6 +55,11 @@ def _settings(full, arch, target, drafter, ar_drafter, tight, new):
         "cure_online": Generator(target, drafter, method="cure",
                                  cure=_cure(arch, online=True, cost_verify_per_node=10.0,
                                             explore_every=3), **new),
+        # Costs that make every budget the best somewhere: plain steps, cut trees, whole trees.
+        "auto": Generator(target, drafter, method="auto", cure=_cure(arch, topk=3),
+                          auto=controller.Settings(budgets=(1, 3, 6, 12),
+                                                   costs=(1.0, 1.3, 1.5, 1.9), explore_every=3),
+                          **new),
     }
   # A tight cache (no slack past prompt + new tokens) makes the cache end cut the last trees.
   return {
@@ -70,6 +75,10 @@ def _settings(full, arch, target, drafter, ar_drafter, tight, new):
                                 cure=_cure(arch, v_max=9, topk=2), **new),
       "hybrid_online_tight": Generator(target, drafter, method="hybrid", max_len=tight,
                                        cure=_cure(arch, v_max=12, topk=3, online=True), **new),
+      "auto_tight": Generator(target, drafter, method="auto", max_len=tight,
+                              cure=_cure(arch, topk=2),
+                              auto=controller.Settings(budgets=(1, 2, 9), costs=(1.0, 1.2, 1.6),
+                                                       explore_every=2), **new),
   }
 
 
@@ -87,7 +96,7 @@ def check_equals_target_greedy(arch, seeds, full: bool, chunked: bool = False) -
   """Every variant (the QWEN3 half of the settings when `full`, else the other half) emits the
   target-only greedy tokens for 3 prompts on each seed's random pair; returns how many long
   accepts and repair wins the comparison saw."""
-  counters = dict(repair_wins=0, long_accepts=0)
+  counters = dict(repair_wins=0, long_accepts=0, plain_steps=0, cut_trees=0)
   for seed in seeds:
     target, drafter = random_models.pair(arch, seed)
     batch = _batch(seed, arch.vocab, chunked)
@@ -103,6 +112,9 @@ def check_equals_target_greedy(arch, seeds, full: bool, chunked: bool = False) -
         assert sum(r.accept_lengths) == MAX_NEW - 1, (name, seed)
         counters["long_accepts"] += sum(n >= 2 for n in r.accept_lengths)
         counters["repair_wins"] += sum(s["winning_branch"] > 0 for s in r.stats)
+        counters["plain_steps"] += sum(s["budget"] == 1 for s in r.stats)
+        counters["cut_trees"] += sum(1 < s["budget"] < gen.cure.v_max for s in r.stats
+                                     if gen.auto)
   return counters
 
 
@@ -114,6 +126,8 @@ def test_every_method_equals_target_greedy(arch, chunked):
   # The comparison is only meaningful if drafts were accepted and repairs won.
   assert counters["long_accepts"] > 50 * len(seeds) / len(SEEDS), counters
   assert counters["repair_wins"] > 20 * len(seeds) / len(SEEDS), counters
+  assert min(counters["plain_steps"], counters["cut_trees"]) > 20 * len(seeds) / len(SEEDS), \
+      counters   # auto switched between plain steps, cut trees and whole trees
 
 
 def test_stop_tokens_end_each_sequence_like_target_greedy():

@@ -21,7 +21,7 @@ from flax import struct
 
 from cure_jax.methods import registry
 from cure_jax.models.cache import take_tokens
-from cure_jax.tree import candidates as tree_lib, repair, sampling
+from cure_jax.tree import candidates as tree_lib, controller, repair, sampling
 from cure_jax.tree.sampling import Sampling
 
 
@@ -40,6 +40,7 @@ class Spec:
   drafter_window: int = 0                  # DFlash: context positions drafts see; 0 = all
   cure: repair.RepairConfig | None = None
   sampling: Sampling = Sampling()
+  auto: controller.Settings | None = None  # the goodput controller's budgets and costs
 
   def __post_init__(self):
     registry.get(self.method)  # a clear error for an unknown name
@@ -71,6 +72,7 @@ class Proposal:
   block_margins: jax.Array | None = None  # [B, K-1] top-1 minus top-2 of the main draft
   q: jax.Array | None = None              # [B, V, N] distribution each node was drawn from
   deterministic: jax.Array | None = None  # [B, V] nodes placed by rank (one-hot q)
+  path_logp: jax.Array | None = None      # [B, V] log q of each node's whole path (controller)
 
 
 @struct.dataclass
@@ -135,6 +137,7 @@ class Method:
   name: ClassVar[str] = ""
   drafter_kind: ClassVar[str | None] = None  # None, "block" (DFlash) or "autoregressive"
   tree_config: ClassVar[bool] = False        # reads the cure.* settings (RepairConfig)
+  controlled: ClassVar[bool] = False         # the goodput controller picks its budget (auto.*)
 
   # --- host side: the generator and the pipeline ------------------------------------------------
 
