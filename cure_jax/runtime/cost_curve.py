@@ -75,7 +75,7 @@ def costs(graphdef, params, spec: Spec, batch: int, log=print) -> tuple[float, .
     curve = json.loads(path.read_text())
   else:
     log(f"cure_jax: timing the cost curve for batch {batch}, budgets {spec.auto.budgets} "
-        f"(once per device and model pair; cached in {path.parent})")
+        "(once per device, model pair and batch; kept in the cure_jax cache's costs/)")
     curve = time_budgets(graphdef, params, spec, batch)
     curve.update(device=jax.devices()[0].device_kind, batch=batch,
                  budgets=list(spec.auto.budgets))
