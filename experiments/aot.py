@@ -265,7 +265,7 @@ def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = N
              xla_flops=float(cost.get("flops", 0.0)),
              xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), weights=weights)
   if case.program == "prefill":  # its loop is one chunk; traffic_record scales it to them all
-    rec["prefill_chunks"] = prefill_chunks(case)
+    rec["prefill_chunks"] = prefill_chunks()
   if case.program == "decode":  # its output is the state: donation works when it aliases
     rec["donated_state_aliased"] = bool(mem.alias_size_in_bytes >= 0.9 * mem.output_size_in_bytes)
   if dump and case.program != "forward":
@@ -273,15 +273,15 @@ def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = N
   return traffic_record(rec, text, labels)
 
 
-def prefill_chunks(case: Case) -> int:
+def prefill_chunks() -> int:
   """Chunks of a --prompt_len prefill (the chunk is config.prefill_chunk, at most the prompt)."""
-  chunk = min(int(_CONFIG.value.prefill_chunk), _PROMPT.value)
-  return -(-_PROMPT.value // chunk)
+  return -(-_PROMPT.value // min(int(_CONFIG.value.prefill_chunk), _PROMPT.value))
 
 
 _UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}   # XLA's: binary
 _ASKED = (re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
-          re.compile(r"[Uu]sed ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+          re.compile(r"[Uu]sed ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+          re.compile(r"allocation with size ([\d.]+)([KMGT]?) and limit ([\d.]+)([KMGT]?)"))
 
 
 def failure(case: Case, error: Exception) -> dict:
@@ -290,7 +290,7 @@ def failure(case: Case, error: Exception) -> dict:
   message = str(error).strip()
   rec = dict(case=case.name, program=case.program, method=case.method, batch=case.batch,
              v_max=case.v_max, failed=True, error=message[:4000], bytes_asked=None,
-             bytes_available=None)
+             bytes_available=None, memory="vmem" if "vmem" in message.lower() else "hbm")
   for pattern in _ASKED:
     m = pattern.search(message)
     if m:
@@ -340,6 +340,9 @@ def _gb(x) -> str:
   return "" if x is None else f"{x / 1e9:.2f}"
 
 
+_mb = lambda x: "?" if x is None else f"{x / 1e6:,.1f}"  # noqa: E731
+
+
 def _launches(rec: dict) -> str:
   """Kernels per iteration: GPU thunks (host launches), else the Pallas / Mosaic TPU kernels."""
   gpu = (rec.get("gpu_launches") or {}).get("iteration")
@@ -379,8 +382,8 @@ def markdown(meta: dict, records: list[dict]) -> str:
   failed = [r for r in records if r.get("failed")]
   if failed:
     lines += ["", "Did not compile:", ""] + [
-        f"- {r['case']}: asked {_gb(r['bytes_asked']) or '?'} GB of "
-        f"{_gb(r['bytes_available']) or '?'} GB: {r['error'].splitlines()[0][:300]}"
+        f"- {r['case']}: asked {_mb(r['bytes_asked'])} MB of {_mb(r['bytes_available'])} MB "
+        f"of {r.get('memory', 'hbm')}: {r['error'].splitlines()[0][:300]}"
         for r in failed]
   lines += ["", "Per iteration of the decode loop, per whole prefill (one chunk's traffic x "
             f"the chunks, {meta['prompt_len']} tokens in chunks of at most "
@@ -479,8 +482,8 @@ def main(argv):
       rec = analyse(case, lowered, meta["weights"], dump, options)
     except jax.errors.JaxRuntimeError as e:   # does not fit, or the compiler failed: on we go
       rec = failure(case, e)
-      print(f"{case.name}: did not compile ({_gb(rec['bytes_asked']) or '?'} GB asked): "
-            f"{rec['error'].splitlines()[0][:300]}", flush=True)
+      print(f"{case.name}: did not compile ({_mb(rec['bytes_asked'])} MB of {rec['memory']} "
+            f"asked): {rec['error'].splitlines()[0][:300]}", flush=True)
     records.append(rec)
     it = rec.get("iteration")
     if it:
