@@ -276,7 +276,7 @@ def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = N
              xla_flops=float(cost.get("flops", 0.0)),
              xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), weights=weights)
   if case.program == "prefill":  # its loop is one chunk; traffic_record scales it to them all
-    rec["prefill_chunks"] = prefill_chunks(case)
+    rec["prefill_chunks"] = prefill_chunks()
   if case.program == "decode":  # its output is the state: donation works when it aliases
     rec["donated_state_aliased"] = bool(mem.alias_size_in_bytes >= 0.9 * mem.output_size_in_bytes)
   if dump and case.program != "forward":
@@ -284,15 +284,15 @@ def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = N
   return traffic_record(rec, text, labels)
 
 
-def prefill_chunks(case: Case) -> int:
+def prefill_chunks() -> int:
   """Chunks of a --prompt_len prefill (the chunk is config.prefill_chunk, at most the prompt)."""
-  chunk = min(int(_CONFIG.value.prefill_chunk), _PROMPT.value)
-  return -(-_PROMPT.value // chunk)
+  return -(-_PROMPT.value // min(int(_CONFIG.value.prefill_chunk), _PROMPT.value))
 
 
 _UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}   # XLA's: binary
 _ASKED = (re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
-          re.compile(r"[Uu]sed ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+          re.compile(r"[Uu]sed ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+          re.compile(r"allocation with size ([\d.]+)([KMGT]?) and limit ([\d.]+)([KMGT]?)"))
 
 
 def failure(case: Case, error: Exception) -> dict:
@@ -301,7 +301,7 @@ def failure(case: Case, error: Exception) -> dict:
   message = str(error).strip()
   rec = dict(case=case.name, program=case.program, method=case.method, batch=case.batch,
              v_max=case.v_max, failed=True, error=message[:4000], bytes_asked=None,
-             bytes_available=None)
+             bytes_available=None, memory="vmem" if "vmem" in message.lower() else "hbm")
   for pattern in _ASKED:
     m = pattern.search(message)
     if m:
@@ -430,9 +430,8 @@ def main(argv):
       rec = analyse(case, lowered, meta["weights"], dump, options)
     except jax.errors.JaxRuntimeError as e:   # does not fit, or the compiler failed: on we go
       rec = failure(case, e)
-      asked = compiled_report.gb(rec['bytes_asked']) or '?'
-      print(f"{case.name}: did not compile ({asked} GB asked): "
-            f"{rec['error'].splitlines()[0][:300]}", flush=True)
+      print(f"{case.name}: did not compile ({compiled_report.mb(rec['bytes_asked'])} MB of "
+            f"{rec['memory']} asked): {rec['error'].splitlines()[0][:300]}", flush=True)
     records.append(rec)
     it = rec.get("iteration")
     if it:

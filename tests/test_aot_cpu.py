@@ -111,7 +111,7 @@ def test_a_program_that_does_not_fit_is_recorded_and_the_run_goes_on(pair_dirs):
     assert records[name]["bytes_asked"] == pytest.approx(39.43 * 2 ** 30)
     assert records[name]["bytes_available"] == pytest.approx(15.75 * 2 ** 30)
   md = (pair_dirs / "out.md").read_text()
-  assert "Did not compile:" in md and "- decode/chain/b1: asked 42.34 GB of 16.91 GB" in md
+  assert "Did not compile:" in md and "- decode/chain/b1: asked 42,337.6 MB of 16,911.4 MB of hbm" in md
   # the prefill of 40 tokens in chunks of 16 is 3 chunks: one chunk's traffic x 3, and its
   # attention reads 0 + 1 + 2 cache blocks where one chunk counts 1 (of each layer's loop)
   pre = records["prefill/chain/b1"]["iteration"]

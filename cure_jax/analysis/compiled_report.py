@@ -7,6 +7,10 @@ def gb(x) -> str:
   return "" if x is None else f"{x / 1e9:.2f}"
 
 
+def mb(x) -> str:
+  return "?" if x is None else f"{x / 1e6:,.1f}"
+
+
 def _launches(rec: dict) -> str:
   """Kernels per iteration: GPU thunks (host launches), else the Pallas / Mosaic TPU kernels."""
   gpu = (rec.get("gpu_launches") or {}).get("iteration")
@@ -46,8 +50,8 @@ def markdown(meta: dict, records: list[dict]) -> str:
   failed = [r for r in records if r.get("failed")]
   if failed:
     lines += ["", "Did not compile:", ""] + [
-        f"- {r['case']}: asked {gb(r['bytes_asked']) or '?'} GB of "
-        f"{gb(r['bytes_available']) or '?'} GB: {r['error'].splitlines()[0][:300]}"
+        f"- {r['case']}: asked {mb(r['bytes_asked'])} MB of {mb(r['bytes_available'])} MB "
+        f"of {r.get('memory', 'hbm')}: {r['error'].splitlines()[0][:300]}"
         for r in failed]
   lines += ["", "Per iteration of the decode loop, per whole prefill (one chunk's traffic x "
             f"the chunks, {meta['prompt_len']} tokens in chunks of at most "

@@ -8,8 +8,8 @@ online softmax, so no score tensor larger than [B, H, T, T] exists and the work 
 with the prompt so far, not with `max_len`. This form runs on every platform.
 
 On NVIDIA GPUs the same contract is gpu_prefix's Triton flash kernel (the scores stay on
-chip); on TPUs it is the decode kernel (tpu_attention), whose rows take a chunk of up to about
-512 tokens in VMEM (its masks are int8 [T, S] and [T, T] a row); elsewhere, and for shapes the
+chip); on TPUs it is the decode kernel (tpu_attention) for chunks of up to TPU_ROWS tokens, its
+rows in VMEM (its masks are int8 [T, S] and [T, T] a row); elsewhere, and for shapes the
 kernels do not tile, this module's XLA form. Why not the kernels
 JAX ships: Pallas flash attention (GPU mha, TPU flash) aligns its causal mask at slot 0 of one
 key array and splash attention's masks are static arrays, while a chunk follows a cache prefix
@@ -30,6 +30,9 @@ from flax import struct
 from cure_jax.models.kernels import gpu_prefix, tpu_attention
 
 _NEG = float(jnp.finfo(jnp.float32).min)
+# Chunks the TPU kernel takes: at 2048 rows Qwen3-8B's call asked 24.3 MB of v5e's 16 MB of
+# scoped VMEM (experiments.aot, results/long_prompts/v5e_2x2_prefill_32k_chunk2048.json)
+TPU_ROWS = 512
 
 
 @struct.dataclass
@@ -49,7 +52,7 @@ def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix):
   platforms = {}
   if gpu_prefix.tiles(k_cache.shape[2], q.shape[1], q.shape[3]):
     platforms["cuda"] = lambda *a: gpu_prefix.attend(*a[:-1])
-  if tpu_attention.tiles(k_cache.shape[2]):
+  if tpu_attention.tiles(k_cache.shape[2]) and q.shape[1] <= TPU_ROWS:
     platforms["tpu"] = tpu_attend
   if not platforms:
     return xla_attend(*args)
