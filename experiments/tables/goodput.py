@@ -49,10 +49,10 @@ def _sweep(bench: Bench, batch: int, variants, idx) -> list[dict]:
   return rows
 
 
-def table_goodput(bench: Bench, batch_sizes=BATCH_SIZES) -> dict:
+def table_goodput(bench: Bench, batch_sizes=BATCH_SIZES, variants=None) -> dict:
+  """variants: ar, auto and the fixed settings to compare (default: goodput_variants)."""
   idx = _indices(bench)
-  k = bench.drafter.cfg.block_size
-  variants = goodput_variants(k)
+  variants = variants or goodput_variants(bench.drafter.cfg.block_size)
   rows, verdicts = [], []
   for batch in batch_sizes:
     sweep = _sweep(bench, batch, variants, idx)
