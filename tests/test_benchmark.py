@@ -309,7 +309,7 @@ def test_goodput_table(bench):
     assert r["vs_ar"] == pytest.approx(rows["ar"]["tpot_ms"] / r["tpot_ms"])
   auto = rows["auto"]
   assert sum(auto["budgets"].values()) == auto["iterations"]   # one budget per iteration
-  assert set(auto["budgets"]) <= {1, 4, 8, 16} and not rows["chain"]["budgets"]
+  assert {int(n) for n in auto["budgets"]} <= {1, 4, 8, 16} and not rows["chain"]["budgets"]
   verdict, = g["verdicts"]
   best = max((r for r in rows.values() if r["method"] != "auto"), key=lambda r: r["tokens_per_s"])
   assert verdict["best_fixed"] == best["method"]
