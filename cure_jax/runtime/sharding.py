@@ -14,7 +14,8 @@ all-to-all in a shard_map) was not chosen: a decoding step routes a few dozen to
 8..~80 of 128 experts, which land unevenly on chips (the step waits for the busiest one) and
 add two all-to-alls per layer to a step that is latency-bound. Split on I, every chip reads
 1/model of each routed expert whatever the routing, and the only collective is the all-reduce
-after down_proj that a dense MLP has too. The model axis must divide moe_intermediate_size.
+after down_proj that a dense MLP has too, written as a psum in models/moe.py's shard_map. The
+model axis must divide moe_intermediate_size.
 
 Nothing in the models or the decoding loop names a device: the jitted prefill / decode take
 sharded parameters and are compiled with the state's shardings as outputs, and XLA's sharding
