@@ -19,12 +19,14 @@ def process_fields() -> dict:
 
 def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.method = "cure"            # ar | chain | cure | ddtree | hybrid | ar_draft
+  config.method = "cure"            # ar | chain | cure | ddtree | hybrid | ar_draft | auto
   config.target = ml_collections.ConfigDict(dict(path=""))
   config.drafter = ml_collections.ConfigDict(dict(
       path="",                      # DFlash directory (chain, cure) or small Qwen3 (ar_draft)
       block_size=0,                 # 0: the drafter's own block size; for ar_draft gamma + 1
       gamma=4,                      # ar_draft: drafted tokens per iteration
+      window=0,                     # DFlash: the drafter sees the last `window` context
+                                    # positions plus its block; 0 = the whole context
   ))
   config.dtype = "float32"          # parameter dtype: float32 | bfloat16
   config.prompts = ""               # JSONL: {"prompt": text} or {"prompt_ids": [ints]} per line
@@ -32,7 +34,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.chat_template = True       # wrap text prompts in the tokenizer's chat template
   config.max_new_tokens = 128
   config.ignore_eos = False         # True: decode exactly max_new_tokens
-  config.max_len = 0                # static cache length; 0: prompt + max_new_tokens
+  config.max_len = 0                # static cache length; 0: prompt + max_new_tokens. Set, one
+                                    # compiled prefill serves every prompt up to it
+  config.prefill_chunk = 512        # prompt tokens per prefill step (memory ~ chunk x max_len)
   config.batch_size = 1
   config.mesh = ml_collections.ConfigDict(dict(
       data=1,                       # batch split over this many devices
@@ -59,4 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
       # * n. Costs in any one unit (ms); `experiments.benchmark --table=trees` measures them.
       online=False, cost_draft=1.0, cost_redraft=1.0, cost_verify_base=1.0,
       cost_verify_per_node=0.0, online_decay=0.8, explore_every=8))
+  # method=auto: each iteration a goodput controller picks one of these node budgets (1 = a
+  # plain target step) for the batch, by expected tokens per second (cure_jax/tree/controller.py).
+  # costs: seconds per budget; "" = timed on this device at start-up and cached.
+  config.auto = ml_collections.ConfigDict(dict(budgets="1,4,8,16", costs="", decay=0.8,
+                                               explore_every=16, explore_overhead=0.02))
   return config

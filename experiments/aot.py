@@ -26,6 +26,7 @@ import atexit
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -50,7 +51,7 @@ from cure_jax.runtime import decoding, errors, pipeline, sharding
 from cure_jax.models.cache import KVCache
 from cure_jax.runtime.generation import decoding_spec
 from cure_jax.costs import gpu_targets, hlo_traffic, launches
-from cure_jax.analysis import report
+from cure_jax.analysis import compiled_report, report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_8b.py",
                                           "decoding config (dtype, mesh, cure settings)")
@@ -223,7 +224,9 @@ def lower_case(case: Case, graphdef, params, config, mesh, drafter):
     cure = dataclasses.replace(pipeline.repair_config(config, k), v_max=case.v_max)
     cure.validate(k)
   new_tokens = _MAX_LEN.value - _PROMPT.value
-  spec = decoding_spec(case.method, drafter, new_tokens, _MAX_LEN.value, (), k, cure)
+  spec = decoding_spec(case.method, drafter, new_tokens, _MAX_LEN.value, (), k, cure,
+                       prefill_chunk=int(config.prefill_chunk),
+                       drafter_window=int(config.drafter.window))
   pre, dec = decoding.lower_sharded(graphdef, params, spec, case.batch, _PROMPT.value, mesh)
   return pre if case.program == "prefill" else dec
 
@@ -272,11 +275,41 @@ def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = N
              output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
              xla_flops=float(cost.get("flops", 0.0)),
              xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), weights=weights)
+  if case.program == "prefill":  # its loop is one chunk; traffic_record scales it to them all
+    rec["prefill_chunks"] = prefill_chunks()
   if case.program == "decode":  # its output is the state: donation works when it aliases
     rec["donated_state_aliased"] = bool(mem.alias_size_in_bytes >= 0.9 * mem.output_size_in_bytes)
   if dump and case.program != "forward":
     rec["gpu_launches"] = launch_counts(dump, case.program)
   return traffic_record(rec, text, labels)
+
+
+def prefill_chunks() -> int:
+  """Chunks of a --prompt_len prefill (the chunk is config.prefill_chunk, at most the prompt)."""
+  return -(-_PROMPT.value // min(int(_CONFIG.value.prefill_chunk), _PROMPT.value))
+
+
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}   # XLA's: binary
+_ASKED = (re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
+          re.compile(r"[Uu]sed ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+          re.compile(r"allocation with size ([\d.]+)([KMGT]?) and limit ([\d.]+)([KMGT]?)"))
+
+
+def failure(case: Case, error: Exception) -> dict:
+  """The record of a program the compiler refused: its message and, when the message says,
+  the bytes the program asked for and the bytes the device has."""
+  message = str(error).strip()
+  rec = dict(case=case.name, program=case.program, method=case.method, batch=case.batch,
+             v_max=case.v_max, failed=True, error=message[:4000], bytes_asked=None,
+             bytes_available=None, memory="vmem" if "vmem" in message.lower() else "hbm")
+  for pattern in _ASKED:
+    m = pattern.search(message)
+    if m:
+      asked, unit, have, have_unit = m.groups()
+      rec.update(bytes_asked=float(asked) * _UNITS[unit],
+                 bytes_available=float(have) * _UNITS[have_unit])
+      break
+  return rec
 
 
 def traffic_bounds(case: Case, loop: dict, w: dict[str, float]) -> dict:
@@ -312,60 +345,18 @@ def weight_bytes(target, drafter, mesh, batch: int, max_len: int) -> dict[str, f
   return out
 
 
-# --- report ------------------------------------------------------------------------------------
-
-def _gb(x) -> str:
-  return "" if x is None else f"{x / 1e9:.2f}"
-
-
-def _launches(rec: dict) -> str:
-  """Kernels per iteration: GPU thunks (host launches), else the Pallas / Mosaic TPU kernels."""
-  gpu = (rec.get("gpu_launches") or {}).get("iteration")
-  if gpu:
-    return f"{gpu['kernels']} ({gpu['launches']})"
-  return str(rec["iteration"].get("kernels", 0))
-
-
-def markdown(meta: dict, records: list[dict]) -> str:
-  lines = [f"# AOT compile: {meta['target']} + {meta['drafter']} on {meta['topology']}",
-           "", f"mesh data={meta['mesh'][0]} model={meta['mesh'][1]}, dtype {meta['dtype']}, "
-           f"max_len {meta['max_len']}, prompt bucket {meta['prompt_len']}; per chip: target "
-           f"weights {_gb(meta['weights']['target'])} GB, target KV "
-           f"{_gb(meta['weights']['target_kv'])} GB" + (
-               f", drafter {_gb(meta['weights']['drafter'])} GB"
-               if "drafter" in meta["weights"] else "") + "." + (
-               f" XLA options: {meta['compiler_options']}." if meta.get("compiler_options")
-               else ""), ""]
-  rows = []
-  for r in records:
-    it = r["iteration"]
-    labels = it["by_label"]
-    weights = sum(v for k, v in labels.items() if k.endswith(("weights", "head")))
-    b = r["bounds"]
-    rows.append([r["case"], r["compile_s"], _gb(r["argument_bytes"]), _gb(r["temp_bytes"]),
-                 _gb(r["output_bytes"]), str(r.get("donated_state_aliased", "")),
-                 ", ".join(f"{k} {v}" for k, v in it["collectives"].items()) or "0",
-                 it["fusions"], _launches(r), f"{r['xla_flops'] / 1e9:.1f}",
-                 _gb(r["xla_bytes_accessed"]),
-                 _gb(it["hbm_bytes"]), _gb(weights), _gb(it["on_chip_bytes_skipped"]),
-                 f"{b['hbm_over_weights_and_kv']:.3f}",
-                 f"{b['hbm_over_chain_minimum']:.3f}" if "hbm_over_chain_minimum" in b else ""])
-  lines.append(report.md_table(
-      ["program", "compile s", "args GB", "temp GB", "out GB", "state aliased", "collectives",
-       "fusions", "kernels (launches)", "XLA GFLOP", "XLA GB", "HBM GB", "of which weights", "on-chip GB skipped",
-       "HBM / (W + KV)", "HBM / chain min"], rows))
-  lines += ["", "Per iteration of the decode loop (one pass of prefill / forward). XLA's figures "
-            "are its cost analysis of the whole module; HBM GB counts the HBM side of each "
-            "top-level op of the optimized HLO (cure_jax/costs/hlo_traffic.py): on-chip buffers and "
-            "the parts of operands that slices do not read are not counted, which is why it is "
-            "below XLA's bytes accessed.", ""]
-  return "\n".join(lines) + "\n"
-
-
 def traffic_record(rec: dict, text: str, labels: dict[int, str]) -> dict:
   """rec with the HBM count of `text` (one iteration of its loop, else the whole program)."""
   traffic = hlo_traffic.count(text, labels)
   loop = traffic["loops"][0] if traffic["loops"] else traffic["program"]
+  chunks = rec.get("prefill_chunks")
+  if chunks and traffic["loops"]:   # the whole prefill (compiled_report.PREFILL_RULE)
+    block = loop["nested_loop_iteration_bytes"]           # one cache block, every layer
+    by_label = {k: v * chunks for k, v in loop["by_label"].items()}
+    by_label["cache_blocks_beyond_one"] = (chunks * (chunks - 1) / 2 - chunks) * block
+    loop = dict(loop, hbm_bytes=sum(by_label.values()), by_label=by_label,
+                chunk_hbm_bytes=loop["hbm_bytes"], chunks=chunks,
+                rule=compiled_report.PREFILL_RULE)
   case = Case(rec["program"], rec["method"], rec["batch"], rec["v_max"])
   return dict(rec, iteration=loop,
               outside_loops=traffic["outside_loops"] if traffic["loops"] else None,
@@ -384,7 +375,7 @@ def recount(output: str, dump: str) -> None:
     labels = {int(k): v for k, v in json.loads(stem.with_suffix(".labels.json").read_text()).items()}
     data["records"][i] = traffic_record(rec, stem.with_suffix(".hlo").read_text(), labels)
   pipeline.write_json(output + ".json", data)
-  report.write_text(output + ".md", markdown(data["meta"], data["records"]))
+  report.write_text(output + ".md", compiled_report.markdown(data["meta"], data["records"]))
   print(f"recounted {len(data['records'])} programs into {output}.json and .md")
 
 
@@ -429,20 +420,27 @@ def main(argv):
               topology=topology, device_kind=devices[0].device_kind,
               mesh=[int(mesh.shape["data"]), int(mesh.shape["model"])], dtype=config.dtype,
               max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__,
+              prefill_chunk=int(config.prefill_chunk),
               compiler_options=options)
   records = []
   for case in cases(programs, names, v_maxes, batches):
     meta["weights"] = weight_bytes(target, drafter, mesh, case.batch, _MAX_LEN.value)
     lowered = lower_case(case, graphdef, params, config, mesh, drafter)
-    rec = analyse(case, lowered, meta["weights"], dump, options)
+    try:
+      rec = analyse(case, lowered, meta["weights"], dump, options)
+    except jax.errors.JaxRuntimeError as e:   # does not fit, or the compiler failed: on we go
+      rec = failure(case, e)
+      print(f"{case.name}: did not compile ({compiled_report.mb(rec['bytes_asked'])} MB of "
+            f"{rec['memory']} asked): {rec['error'].splitlines()[0][:300]}", flush=True)
     records.append(rec)
-    it = rec["iteration"]
-    print(f"{case.name}: compile {rec['compile_s']:.1f} s, HBM {it['hbm_bytes'] / 1e9:.2f} GB "
-          f"per iteration ({rec['bounds']['hbm_over_weights_and_kv']:.3f}x weights + KV), XLA "
-          f"{rec['xla_bytes_accessed'] / 1e9:.2f} GB, {it['collectives']}", flush=True)
+    it = rec.get("iteration")
+    if it:
+      print(f"{case.name}: compile {rec['compile_s']:.1f} s, HBM {it['hbm_bytes'] / 1e9:.2f} GB "
+            f"per iteration ({rec['bounds']['hbm_over_weights_and_kv']:.3f}x weights + KV), XLA "
+            f"{rec['xla_bytes_accessed'] / 1e9:.2f} GB, {it['collectives']}", flush=True)
     out = dict(meta=meta, records=records)
     pipeline.write_json(output + ".json", json.loads(json.dumps(out, default=str)))
-    report.write_text(output + ".md", markdown(meta, records))
+    report.write_text(output + ".md", compiled_report.markdown(meta, records))
   print(f"wrote {output}.json and .md")
 
 

@@ -9,6 +9,7 @@
   python -m experiments.benchmark --table=sweep --sweep_factors=select  # the gate rules only
   python -m experiments.benchmark --table=peers --num_prompts=8         # transformers, dflash
   python -m experiments.benchmark --table=trees --num_prompts=20        # tree strategies
+  python -m experiments.benchmark --table=goodput --num_prompts=8       # auto vs every budget
   python -m experiments.benchmark --table=all --results=results/
   python -m experiments.benchmark --table=1,3,diagnostic,5 --config.batch_size=8 --num_prompts=0
 
@@ -51,6 +52,8 @@ _TABLE4_ABLATIONS = flags.DEFINE_multi_enum(
     "table 4: the ablations to run (default: all)")
 _TREES_BUDGETS = flags.DEFINE_multi_integer("trees_budgets", [16, 32, 64],
                                            "trees: node budgets v_max to compare")
+_GOODPUT_BATCHES = flags.DEFINE_multi_integer("goodput_batches", [1, 4, 16],
+                                             "goodput: batch sizes, one sweep each")
 _REUSE_RAW = flags.DEFINE_string("reuse_raw", None, "raw/ folder of an earlier run with the same "
                                  "config: variants found there are not decoded again")
 _EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")
@@ -110,7 +113,8 @@ def main(argv):
                 progress=_PROGRESS.value, reuse_raw=_REUSE_RAW.value)
   registry.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value,
                     sweep_factors=_SWEEP_FACTORS.value, table4_problems=_TABLE4_PROBLEMS.value,
-                    table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value)
+                    table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value,
+                    goodput_batches=_GOODPUT_BATCHES.value)
   print(f"results in {Path(_RESULTS.value).resolve()}")
 
 

@@ -22,7 +22,7 @@ from absl import app, flags
 
 from cure_jax import methods
 from cure_jax.runtime import errors, pipeline
-from cure_jax.costs import roofline
+from cure_jax.costs import curve, roofline
 from cure_jax.analysis import report
 from cure_jax.costs.roofline import (DEVICES, GPUS, PAPER_TAU, SHARES, decode_records, device_of,
                                   project)
@@ -36,6 +36,11 @@ _LAUNCH_US = flags.DEFINE_float("launch_us", roofline.LAUNCH_US, "host cost of o
 _TAU = flags.DEFINE_string("tau", "", "measured τ as method=value,... (e.g. chain=2.005,"
                            "cure=2.431); the paper's τ is always shown")
 _OUTPUT = flags.DEFINE_string("output", "results/aot/projection", "output path, no extension")
+_AUTO_BATCHES = flags.DEFINE_list("auto_batches", [], "batch sizes at which to project method=auto "
+                                  "(needs --gpu files with ar and chain at two batch sizes)")
+_AUTO_BUDGETS = flags.DEFINE_list("auto_budgets", ["1", "4", "8", "16"], "auto's node budgets")
+_AUTO_TAU = flags.DEFINE_list("auto_tau", [str(PAPER_TAU["chain"])], "τ of a whole 16-token "
+                              "block at which to project auto (default: the paper's chain τ)")
 _ALSO = flags.DEFINE_list("also_as", [], "TPU generations without a compile of their own (e.g. "
                           "v6e,v5p) priced with the per-chip counts of the --tpu files (rows "
                           "marked 'counts of <topology>')")
@@ -67,6 +72,41 @@ def parse_tau(text: str) -> dict[str, float]:
   return out
 
 
+def auto_projection(gpu_data: list[dict]) -> list[dict]:
+  """method=auto's budget and tokens/s per batch size on each GPU, on the cost curve of the
+  compiled ar and chain programs (cure_jax/costs/curve.py), at the paper's chain τ."""
+  if not _AUTO_BATCHES.value:
+    return []
+  records = {k: r for data in gpu_data for k, r in decode_records(data).items()}
+  pairs = {m: sorted((r for (mm, v, _), r in records.items() if mm == m and not v),
+                     key=lambda r: r["batch"])[:2] for m in ("ar", "chain")}
+  if any(len(p) < 2 for p in pairs.values()):
+    raise app.UsageError("--auto_batches needs --gpu files holding ar and chain decode programs at "
+                         "two batch sizes (e.g. results/aot_gpu/h100_b1.json,h100_b8.json)")
+  budgets = [int(b) for b in _AUTO_BUDGETS.value]
+  return [row for tau in _AUTO_TAU.value for device in ("H100", "H200")
+          for row in curve.auto_rows(tuple(pairs["ar"]), tuple(pairs["chain"]), device,
+                                     [int(b) for b in _AUTO_BATCHES.value], budgets, float(tau),
+                                     16, _LAUNCH_US.value)]
+
+
+def auto_markdown(rows: list[dict]) -> str:
+  if not rows:
+    return ""
+  budgets = [o["budget"] for o in rows[0]["options"]]
+  table = [[r["device"], f"{r['block_tau']:.3g}", r["batch"], r["auto_budget"],
+            f"{r['auto_tokens_per_s']:.0f}",
+            report.num(r["auto_vs_ar"], ".2f", "x")] +
+           [f"{o['tokens_per_s']:.0f}" for o in r["options"]] for r in rows]
+  return ("\n## method=auto on the compiled programs' cost curve (projection)\n\n" +
+          report.md_table(["device", "block τ", "batch", "auto picks", "auto tokens/s", "vs ar"] +
+                          [f"budget {n} tokens/s" for n in budgets], table) +
+          f"\n\nBudget 1 is a plain target step (the ar program); budget n > 1 verifies the first n "
+          f"nodes of the chain program's block, τ(n) from a per-depth acceptance fitted to the "
+          f"block's τ (the paper's chain τ is {PAPER_TAU['chain']}; cure_jax/costs/curve.py). Bytes are linear in "
+          "the batch through the two compiled batch sizes.\n")
+
+
 def main(argv):
   del argv
   if not _TPU.value and not _CPU.value and not _GPU.value:
@@ -96,8 +136,9 @@ def main(argv):
       raise app.UsageError(f"{_CPU.value} was compiled in {data['meta']['dtype']}; GPU figures "
                            "need the CPU backend's float32 program (--config.dtype=float32)")
     rows += project(decode_records(data), GPUS, 0.5, taus)
-  pipeline.write_json(_OUTPUT.value + ".json", dict(devices=DEVICES, rows=rows))
-  text = markdown(rows)
+  auto = auto_projection([json.loads(open(p).read()) for p in _GPU.value])
+  pipeline.write_json(_OUTPUT.value + ".json", dict(devices=DEVICES, rows=rows, auto=auto))
+  text = markdown(rows) + auto_markdown(auto)
   report.write_text(_OUTPUT.value + ".md", text)
   print(text)
 

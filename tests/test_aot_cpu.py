@@ -76,6 +76,52 @@ def test_bad_inputs_are_named(pair_dirs, flags, message):
   assert re.search(message, child.stderr), child.stderr[-2000:]
 
 
+_FAIL_PREFILL = """
+import sys
+import jax
+from absl import app
+from cure_jax.runtime import decoding, errors
+from experiments import aot
+real = decoding.compile_with
+def compile_with(lowered, options=None):   # the decode loop "does not fit", as v5e said at 32k
+  if "@jit_run" in lowered.as_text()[:1000]:
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. "
+                                     "HLO temporaries (39.43G) exceeds available HBM (15.75G)")
+  return real(lowered, options)
+decoding.compile_with = compile_with
+app.run(errors.cli(aot.main))
+"""
+
+
+def test_a_program_that_does_not_fit_is_recorded_and_the_run_goes_on(pair_dirs):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  child = subprocess.run(
+      [sys.executable, "-c", _FAIL_PREFILL, "--config=configs/qwen3_8b.py",
+       "--config.dtype=float32", f"--target={pair_dirs / 'target'}",
+       f"--drafter={pair_dirs / 'drafter'}", "--max_len=128", "--prompt_len=40",
+       "--config.prefill_chunk=16", "--topology=cpu", "--methods=ar,chain", "--batch=1",
+       "--programs=decode,prefill", f"--output={pair_dirs / 'out'}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert child.returncode == 0, child.stderr[-3000:]
+  records = {r["case"]: r for r in json.loads((pair_dirs / "out.json").read_text())["records"]}
+  assert set(records) == {"prefill/ar/b1", "decode/ar/b1", "prefill/chain/b1", "decode/chain/b1"}
+  for name in ("decode/ar/b1", "decode/chain/b1"):
+    assert records[name]["failed"] and "exceeds available HBM" in records[name]["error"]
+    assert records[name]["bytes_asked"] == pytest.approx(39.43 * 2 ** 30)
+    assert records[name]["bytes_available"] == pytest.approx(15.75 * 2 ** 30)
+  md = (pair_dirs / "out.md").read_text()
+  assert "Did not compile:" in md and "- decode/chain/b1: asked 42,337.6 MB of 16,911.4 MB of hbm" in md
+  # the prefill of 40 tokens in chunks of 16 is 3 chunks: one chunk's traffic x 3, and its
+  # attention reads 0 + 1 + 2 cache blocks where one chunk counts 1 (of each layer's loop)
+  pre = records["prefill/chain/b1"]["iteration"]
+  block = pre["nested_loop_iteration_bytes"]
+  assert pre["chunks"] == 3 and pre["nested_loops_without_trip_count"] == ARCH.layers
+  assert block >= ARCH.layers * 2 * ARCH.kv_heads * 16 * 16 * 4   # the K and V blocks it reads
+  assert pre["hbm_bytes"] == pytest.approx(3 * pre["chunk_hbm_bytes"])   # 3 blocks either way
+  assert pre["by_label"]["cache_blocks_beyond_one"] == 0 and "x the chunks" in pre["rule"]
+
+
 MOE = random_models.Arch(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                          draft_layers=1, block_size=4, target_layer_ids=(0, 1), experts=8,
                          dense_layers=(1,))

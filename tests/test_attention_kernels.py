@@ -157,3 +157,41 @@ def test_decoding_through_the_kernel_equals_target_greedy(kernel, monkeypatch):
   generation.release_compiled()
   jax.clear_caches()
   assert {q[2] for q in traced} >= {1, arch.block_size}     # decoding steps and verification
+
+
+def _chunk_reference(q, k_cache, v_cache, k_new, v_new, lengths):
+  """A prompt chunk's attention in float64: query i of row b sees the row's first lengths[b]
+  cache slots and the chunk's tokens 0..i."""
+  b, t, h, d = q.shape
+  g = h // k_cache.shape[1]
+  out = np.zeros(q.shape)
+  for i, r, n in np.ndindex(b, t, h):
+    keys = np.concatenate([k_cache[i, n // g, :lengths[i]], k_new[i, :r + 1, n // g]])
+    vals = np.concatenate([v_cache[i, n // g, :lengths[i]], v_new[i, :r + 1, n // g]])
+    s = keys @ q[i, r, n] / np.sqrt(d)
+    p = np.exp(s - s.max())
+    out[i, r, n] = p @ vals / p.sum()
+  return out
+
+
+@pytest.mark.parametrize("lengths", [(0, 128), (64, 256), (192, 5)])
+def test_prompt_chunk_kernels_and_xla_form_equal_softmax_attention(lengths):
+  """prefix.attend's forms: the GPU and TPU kernels (interpreted), XLA's blocks over the cache; a
+  chunk of 128 tokens (two row blocks, the diagonal key blocks) after caches of 256 slots filled
+  to `lengths` (empty, a key block, whole, part of one). Rows past `count` are padding."""
+  from cure_jax.models.kernels import gpu_prefix, prefix
+  rng = np.random.default_rng(sum(lengths))
+  f = lambda *dims: rng.normal(size=dims).astype(np.float32)            # noqa: E731
+  b, t, h, kvh, d, s = 2, 128, 4, 2, 16, 256
+  args = (f(b, t, h, d), f(b, kvh, s, d), f(b, kvh, s, d), f(b, t, kvh, d), f(b, t, kvh, d))
+  lengths = np.asarray(lengths, np.int32)
+  count = np.asarray([t, 100], np.int32)
+  want = _chunk_reference(*args, lengths)
+  assert gpu_prefix.tiles(s, t, d)
+  kernel = gpu_prefix.attend(*map(jnp.asarray, args), jnp.asarray(lengths), interpret=True)
+  more = (jnp.asarray(lengths), jnp.asarray(count))
+  tpu = prefix.tpu_attend(*map(jnp.asarray, args), *more, interpret=True)
+  xla = prefix.xla_attend(*map(jnp.asarray, args), *more)
+  for got in (kernel, tpu, xla):
+    for row, n in enumerate(count):
+      np.testing.assert_allclose(np.asarray(got)[row, :n], want[row, :n], rtol=2e-5, atol=2e-5)

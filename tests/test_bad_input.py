@@ -39,6 +39,18 @@ def test_empty_prompt_and_zero_tokens(pair):
     Generator(target, method="ar", max_new_tokens=0)
 
 
+def test_long_prompt_settings(pair):
+  """prefill_chunk, drafter.window and a rope scaling the cache cannot follow."""
+  from cure_jax.models.layers import rope_from_hf
+  target, drafter = pair
+  with pytest.raises(ValueError, match="prefill_chunk=0 must be >= 1"):
+    Generator(target, method="ar", max_new_tokens=4, prefill_chunk=0)
+  with pytest.raises(ValueError, match="drafter.window=-1 must be >= 0"):
+    Generator(target, drafter, method="chain", max_new_tokens=4, drafter_window=-1)
+  with pytest.raises(ValueError, match="rope type 'dynamic' is not supported .*yarn"):
+    rope_from_hf({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 8)
+
+
 def test_unknown_compiler_options(pair):
   target, _ = pair
   gen = Generator(target, method="ar", max_new_tokens=4, compiler_options={"xla_no_such": "1"})

@@ -288,3 +288,29 @@ def test_trees_table(bench):
   assert rows["hybrid v12"]["nodes_verified"] > rows["chain"]["nodes_verified"]
   assert all(x >= 0 for x in tr["online_costs"].values()) and tr["online_costs"]["cost_draft"] > 0
   assert rows["ar"]["projected_speedup_flat"] == 1.0
+
+
+def test_goodput_table(bench):
+  from experiments.tables.goodput import goodput_variants, table_goodput
+  k = ARCH.block_size
+  labels = ("ar", "chain", f"ddtree v{2 * k}", f"cure v{2 * k}", "auto")
+  variants = [v for v in goodput_variants(k) if v.label in labels]
+  assert len(variants) == len(labels)
+  bench.config.auto.costs = "1.0,1.4,1.7,2.2"   # fixed costs: no timing in a test
+  try:
+    table_goodput(bench, batch_sizes=(2,), variants=variants)
+  finally:
+    bench.config.auto.costs = ""
+  g = _load(bench, "goodput")
+  rows = {r["method"]: r for r in g["rows"]}
+  assert set(rows) == set(labels)
+  for r in rows.values():
+    assert r["mismatches_vs_ar"] == 0 and r["batch"] == 2
+    assert r["vs_ar"] == pytest.approx(rows["ar"]["tpot_ms"] / r["tpot_ms"])
+  auto = rows["auto"]
+  assert sum(auto["budgets"].values()) == auto["iterations"]   # one budget per iteration
+  assert {int(n) for n in auto["budgets"]} <= {1, 4, 8, 16} and not rows["chain"]["budgets"]
+  verdict, = g["verdicts"]
+  best = max((r for r in rows.values() if r["method"] != "auto"), key=lambda r: r["tokens_per_s"])
+  assert verdict["best_fixed"] == best["method"]
+  assert verdict["auto_vs_best"] == pytest.approx(auto["tokens_per_s"] / best["tokens_per_s"])

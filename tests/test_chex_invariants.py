@@ -295,6 +295,18 @@ def test_decode_loop_traces_once_per_bucket_and_batch_shape(monkeypatch, method)
   assert len(generation._EXECUTABLES) == 2
 
 
+def test_one_prefill_serves_every_prompt_up_to_max_len(monkeypatch):
+  """With max_len set, prompts of 3 to 150 tokens (five power-of-two buckets, 1 to 10 chunks of
+  16) share one compiled prefill and decode loop: the chunks are a loop count."""
+  target, drafter = random_models.pair(ARCH, 3)
+  gen = Generator(target, drafter, method="chain", max_new_tokens=8, max_len=160,
+                  prefill_chunk=16)
+  _count_traces(monkeypatch)
+  for n in (3, 16, 40, 97, 150):
+    gen.generate(random_models.prompts(n, ARCH.vocab, 1, lo=n, hi=n))
+  assert len(generation._EXECUTABLES) == 1
+
+
 def test_a_python_int_leaking_into_the_spec_fails_the_trace_count(monkeypatch):
   """Sizing the cache from each prompt's own length (not its bucket) puts a per-prompt Python int
   into the Spec, a static argument: the second prompt retraces and chex says so."""

@@ -2,11 +2,9 @@
 is known: weights read once, slices read what they take, in-place updates write the update,
 on-chip buffers are not HBM, loop bodies count once per iteration, labels follow buffers."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from cure_jax.costs import hlo_traffic

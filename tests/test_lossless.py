@@ -3,8 +3,8 @@ tokens, for every method, on many random target/drafter pairs and prompts."""
 
 import pytest
 
-from cure_jax.tree import repair
-from cure_jax.runtime.generation import Generator
+from cure_jax.tree import controller, repair
+from cure_jax.runtime.generation import PREFILL_CHUNK, Generator
 from cure_jax.analysis import random_models
 
 QWEN3 = random_models.Arch()
@@ -13,6 +13,9 @@ LLAMA = random_models.Arch(vocab=6, model_type="llama", tie=True, heads=4, kv_he
 SEEDS = range(13)   # 13 random pairs per architecture, 3 prompts each
 MAX_NEW = 20
 LONGEST = 12  # random_models.prompts' longest prompt
+# Chunked prefill: prompts of 7, 9 and 12 tokens (under, over, at a multiple of 4) in one batch,
+# in chunks of 4; the reference prefills each prompt in one step.
+CHUNK, CHUNKED_LENGTHS, CHUNKED_SEEDS = 4, (7, 9, LONGEST), range(4)
 
 
 def _cure(arch, **kw):
@@ -21,10 +24,23 @@ def _cure(arch, **kw):
   return repair.RepairConfig(**base)
 
 
-def _variants(full, arch, target, drafter, ar_drafter, tight):
+def _variants(full, arch, target, drafter, ar_drafter, tight, chunk):
   """Each architecture exercises a different half of the settings (one compile per variant);
-  the `full` half has every method."""
-  new = dict(max_new_tokens=MAX_NEW)
+  the `full` half has every method. With a chunk, every variant prefills in chunks and the
+  drafter window joins in."""
+  new = dict(max_new_tokens=MAX_NEW, prefill_chunk=chunk)
+  return {**_settings(full, arch, target, drafter, ar_drafter, tight, new),
+          **(_windows(arch, target, drafter, new) if chunk == CHUNK else {})}
+
+
+def _windows(arch, target, drafter, new):
+  """The DFlash drafter seeing only its last few context positions (drafter.window)."""
+  return {"chain_window1": Generator(target, drafter, method="chain", drafter_window=1, **new),
+          "cure_window5": Generator(target, drafter, method="cure", drafter_window=5,
+                                    cure=_cure(arch), **new)}
+
+
+def _settings(full, arch, target, drafter, ar_drafter, tight, new):
   if full:
     return {
         "chain": Generator(target, drafter, method="chain", **new),
@@ -39,6 +55,11 @@ def _variants(full, arch, target, drafter, ar_drafter, tight):
         "cure_online": Generator(target, drafter, method="cure",
                                  cure=_cure(arch, online=True, cost_verify_per_node=10.0,
                                             explore_every=3), **new),
+        # Costs that make every budget the best somewhere: plain steps, cut trees, whole trees.
+        "auto": Generator(target, drafter, method="auto", cure=_cure(arch, topk=3),
+                          auto=controller.Settings(budgets=(1, 3, 6, 12),
+                                                   costs=(1.0, 1.3, 1.5, 1.9), explore_every=3),
+                          **new),
     }
   # A tight cache (no slack past prompt + new tokens) makes the cache end cut the last trees.
   return {
@@ -54,23 +75,36 @@ def _variants(full, arch, target, drafter, ar_drafter, tight):
                                 cure=_cure(arch, v_max=9, topk=2), **new),
       "hybrid_online_tight": Generator(target, drafter, method="hybrid", max_len=tight,
                                        cure=_cure(arch, v_max=12, topk=3, online=True), **new),
+      "auto_tight": Generator(target, drafter, method="auto", max_len=tight,
+                              cure=_cure(arch, topk=2),
+                              auto=controller.Settings(budgets=(1, 2, 9), costs=(1.0, 1.2, 1.6),
+                                                       explore_every=2), **new),
   }
 
 
-def check_equals_target_greedy(arch, seeds, full: bool) -> dict:
+def _batch(seed, vocab, chunked):
+  """Three prompts, the last of LONGEST tokens, so the tight cache length (and its compiled
+  loop) is the same for every seed instead of one compile per seed."""
+  if chunked:
+    return [random_models.prompts(seed + 500 + n, vocab, 1, lo=n, hi=n)[0]
+            for n in CHUNKED_LENGTHS]
+  return (random_models.prompts(seed, vocab, 2) +
+          random_models.prompts(seed + 500, vocab, 1, lo=LONGEST, hi=LONGEST))
+
+
+def check_equals_target_greedy(arch, seeds, full: bool, chunked: bool = False) -> dict:
   """Every variant (the QWEN3 half of the settings when `full`, else the other half) emits the
   target-only greedy tokens for 3 prompts on each seed's random pair; returns how many long
   accepts and repair wins the comparison saw."""
-  counters = dict(repair_wins=0, long_accepts=0)
+  counters = dict(repair_wins=0, long_accepts=0, plain_steps=0, cut_trees=0)
   for seed in seeds:
     target, drafter = random_models.pair(arch, seed)
-    # The third prompt always has LONGEST tokens, so the tight cache length (and its compiled
-    # loop) is the same for every seed instead of one compile per seed.
-    batch = (random_models.prompts(seed, arch.vocab, 2) +
-             random_models.prompts(seed + 500, arch.vocab, 1, lo=LONGEST, hi=LONGEST))
+    batch = _batch(seed, arch.vocab, chunked)
+    assert len(batch[-1]) == LONGEST
     tight = LONGEST + MAX_NEW - 1
     ref = Generator(target, method="ar", max_new_tokens=MAX_NEW).generate(batch)
-    variants = _variants(full, arch, target, drafter, random_models.ar_drafter(arch, seed), tight)
+    variants = _variants(full, arch, target, drafter, random_models.ar_drafter(arch, seed), tight,
+                         CHUNK if chunked else PREFILL_CHUNK)
     for name, gen in variants.items():
       for r, a in zip(gen.generate(batch), ref):
         assert r.output_ids == a.output_ids, (name, seed)
@@ -78,15 +112,22 @@ def check_equals_target_greedy(arch, seeds, full: bool) -> dict:
         assert sum(r.accept_lengths) == MAX_NEW - 1, (name, seed)
         counters["long_accepts"] += sum(n >= 2 for n in r.accept_lengths)
         counters["repair_wins"] += sum(s["winning_branch"] > 0 for s in r.stats)
+        counters["plain_steps"] += sum(s["budget"] == 1 for s in r.stats)
+        counters["cut_trees"] += sum(1 < s["budget"] < gen.cure.v_max for s in r.stats
+                                     if gen.auto)
   return counters
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_step_prefill", "chunked_prefill"])
 @pytest.mark.parametrize("arch", [QWEN3, LLAMA], ids=["qwen3", "llama"])
-def test_every_method_equals_target_greedy(arch):
-  counters = check_equals_target_greedy(arch, SEEDS, full=arch is QWEN3)
+def test_every_method_equals_target_greedy(arch, chunked):
+  seeds = CHUNKED_SEEDS if chunked else SEEDS
+  counters = check_equals_target_greedy(arch, seeds, full=arch is QWEN3, chunked=chunked)
   # The comparison is only meaningful if drafts were accepted and repairs won.
-  assert counters["long_accepts"] > 50, counters
-  assert counters["repair_wins"] > 20, counters
+  assert counters["long_accepts"] > 50 * len(seeds) / len(SEEDS), counters
+  assert counters["repair_wins"] > 20 * len(seeds) / len(SEEDS), counters
+  assert min(counters["plain_steps"], counters["cut_trees"]) > 20 * len(seeds) / len(SEEDS), \
+      counters   # auto switched between plain steps, cut trees and whole trees
 
 
 def test_stop_tokens_end_each_sequence_like_target_greedy():

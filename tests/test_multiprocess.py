@@ -57,6 +57,8 @@ def _decode_args(root, target_dir, drafter_dir, method, data, model, out, *extra
           f"--config.max_new_tokens={MAX_NEW}", "--config.ignore_eos=true",
           "--config.check_ar=false", "--config.batch_size=4", "--config.compilation_cache=off",
           f"--config.mesh.data={data}", f"--config.mesh.model={model}",
+          # prompts of 3..10 tokens in 1..3 chunks, against one process prefilling in one step
+          "--config.prefill_chunk=4",
           "--config.mesh.distributed=true", f"--config.output={out}", *extra]
 
 
@@ -71,6 +73,19 @@ def test_decoding_across_processes_equals_one_process(decode_world, method, data
   assert got == want
   # both processes decoded (and agreed on the results); only process 0 wrote
   assert [line.split()[0] for line in log.splitlines() if " wrote " in line] == ["[p0]"], log
+
+
+def test_auto_across_processes_shares_process_0s_cost_curve(decode_world, tmp_path, monkeypatch):
+  """The processes time the cost curve; all compile process 0's, so the loop is one program."""
+  monkeypatch.setenv("CURE_JAX_CACHE", str(tmp_path))   # an empty cache: the curve is timed
+  root, target_dir, drafter_dir, want = decode_world
+  out = root / "auto_2x4.json"
+  status, log, _ = _launch(_decode_args(root, target_dir, drafter_dir, "auto", 2, 4, out,
+                                        "--config.auto.budgets=1,3,6", "--config.cure.topk=3",
+                                        f"--config.compilation_cache={tmp_path / 'xla'}"))
+  assert status == 0, log[-6000:]
+  assert [r["output_ids"] for r in json.loads(out.read_text())["results"]] == want
+  assert "timing the cost curve" in log, log
 
 
 @pytest.fixture(scope="module")

@@ -58,3 +58,33 @@ def test_decode_projects_the_tree_size_it_runs_from_the_committed_counts():
   assert small["tpot_ms"] == pytest.approx(small["iteration_ms"] / 2.0)
   assert decode.gpu_projection("ar", 1.0, 32)["speedup"] == pytest.approx(1.0)
   assert decode.gpu_projection("ddtree", 2.0, 48) == small     # not compiled: the first one
+
+
+def _auto_rec(method, batch, hbm_gb):
+  return dict(method=method, v_max=0, batch=batch, iteration=dict(hbm_bytes=hbm_gb * 1e9),
+              weights=dict(target=16e9, drafter=2e9), gpu_launches=None)
+
+
+def test_auto_projection_picks_the_budget_with_the_most_tokens_per_second():
+  """Hand-computed: H100 (3350 GB/s, 989 TFLOP/s). Bytes linear in the batch through the two
+  records; FLOPs = batch × (16e9 × nodes + 2e9 × 16); τ(n) geometric with α = 0.5."""
+  from cure_jax.costs import curve
+  assert curve.prefix_tau(1.875, 4, 2) == pytest.approx(1.5)      # 1 + 0.5 (+ 0.25 + 0.125)
+  assert curve.prefix_tau(4.0, 4, 3) == 3 and curve.prefix_tau(1.0, 4, 3) == pytest.approx(1.0)
+  ar, chain = (_auto_rec("ar", 1, 17.0), _auto_rec("ar", 8, 24.0)), (_auto_rec("chain", 1, 21.0),
+                                                            _auto_rec("chain", 8, 35.0))
+  assert curve.bytes_at(*chain, 64) == pytest.approx(21e9 + 14e9 * 63 / 7)
+  rows = curve.auto_rows(ar, chain, "H100", [1, 64], [1, 2, 4], 1.875, 4, launch_us=0.0)
+  for row, batch in zip(rows, (1, 64)):
+    want = {}
+    for n in (1, 2, 4):
+      recs = ar if n == 1 else chain
+      b = recs[0]["iteration"]["hbm_bytes"] + (recs[1]["iteration"]["hbm_bytes"] -
+                                               recs[0]["iteration"]["hbm_bytes"]) * (batch - 1) / 7
+      flops = batch * (16e9 * n + (0 if n == 1 else 2e9 * 4))
+      ms = 1000 * max(b / 3350e9, flops / 989e12)
+      want[n] = batch * {1: 1.0, 2: 1.5, 4: 1.875}[n] / ms * 1000
+    got = {o["budget"]: o["tokens_per_s"] for o in row["options"]}
+    assert got == pytest.approx(want)
+    assert row["auto_budget"] == max(want, key=want.get)
+    assert row["auto_vs_ar"] == pytest.approx(want[row["auto_budget"]] / want[1])

@@ -39,6 +39,14 @@ CASES = {
         # original_max_position_embeddings small enough that all three frequency bands occur.
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    # Qwen3's long-context setting at toy scale: LENGTH runs 4x past the original window.
+    "qwen3_group2_yarn": (Qwen3Config, Qwen3ForCausalLM, dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})),
+    "llama_group2_linear_rope": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "linear", "factor": 3.0})),
 }
 
 
@@ -124,6 +132,41 @@ def test_incremental_decoding_through_cache(case):
     logits.append(np.asarray(step_logits)[:, None])
   np.testing.assert_array_equal(cache.lengths, LENGTH)
   chex.assert_trees_all_close(np.concatenate(logits, axis=1), case.logits, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("chunk", [4, 11, 16])
+def test_chunked_prefill_matches_transformers(case, chunk):
+  """decoding.prefill_chunks with rows of different lengths (a whole number of chunks, one
+  under, one over): each row's last logits and its committed keys/values equal transformers'
+  (and the single-pass prefill's)."""
+  from cure_jax.methods.base import Spec
+  from cure_jax.runtime import decoding
+  lengths = np.array([LENGTH, 2 * chunk - 1, chunk + 1][:BATCH], np.int32)
+  spec = Spec(method="ar", max_new_tokens=1, max_len=CACHE, prefill_chunk=chunk)
+  graphdef, state = nnx.split(case.model)
+
+  @_jit
+  def run(state, tokens, lengths):
+    cache, _, last = decoding.prefill_chunks(nnx.merge(graphdef, state), None, spec, tokens,
+                                             lengths)
+    return nnx.merge(graphdef, state).logits(last), cache
+
+  logits, cache = run(state, case.tokens, lengths)
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  _, _, single = prefill(case.model, case.tokens)
+  hf_model = random_hf_model(*CASES[case.name][:2], **CASES[case.name][2])
+  for row, n in enumerate(lengths):
+    with torch.no_grad():
+      ref = hf_model(torch.tensor(case.tokens[row:row + 1, :n]), use_cache=True)
+    chex.assert_trees_all_close(np.asarray(logits[row]), ref.logits[0, -1].numpy(), rtol=0,
+                                atol=TOL)
+    for i, layer in enumerate(ref.past_key_values.layers):
+      for ours, theirs, one in ((cache.k[i], layer.keys, single.k[i]),
+                                (cache.v[i], layer.values, single.v[i])):
+        chex.assert_trees_all_close(np.asarray(ours[row, :, :n]), theirs[0].numpy(), rtol=0,
+                                    atol=TOL)
+        chex.assert_trees_all_close(np.asarray(ours[row, :, :n]), np.asarray(one[row, :, :n]),
+                                    rtol=0, atol=TOL)
 
 
 def test_bfloat16_load_is_close_to_float32(case):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cure_jax.tree import repair, sampling, verify
+from cure_jax.tree import controller, repair, sampling, verify
 from cure_jax.runtime.generation import Generator
 from cure_jax.tree.sampling import Sampling
 from cure_jax.analysis import random_models
@@ -82,6 +82,10 @@ def _generators(target, drafter, ar_drafter, warp, max_new=3):
       "hybrid": Generator(target, drafter, method="hybrid",
                           cure=dataclasses.replace(cure, topk=2, beam_width=2), **common),
       "ar_draft": Generator(target, ar_drafter, method="ar_draft", block_size=3, **common),
+      # Costs under which plain steps, cut trees and whole trees all win somewhere.
+      "auto": Generator(target, drafter, method="auto", cure=dataclasses.replace(cure, topk=3),
+                        auto=controller.Settings(budgets=(1, 4, 16), costs=(1.0, 1.3, 1.6),
+                                                 explore_every=2), **common),
   }
 
 

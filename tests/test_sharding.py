@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cure_jax.tree import repair
+from cure_jax.tree import controller, repair
 from cure_jax.runtime import sharding
-from cure_jax.runtime.generation import Generator
+from cure_jax.runtime.generation import PREFILL_CHUNK, Generator
 from cure_jax.analysis import random_models
 from tests.fake_devices import run_in_child
 
@@ -37,27 +37,39 @@ def _mesh(data, model):
   return sharding.make_mesh(data, model, devices=jax.devices()[:data * model])
 
 
-def _generator(method, target, drafter, mesh=None):
+def _generator(method, target, drafter, mesh=None, **kw):
   cure = repair.RepairConfig(tau_margin=1e9, v_max=12, max_depth=ARCH.block_size - 1)
+  auto = controller.Settings(budgets=(1, 3, 8), costs=(1.0, 1.2, 1.5), explore_every=2)
   return Generator(target, drafter if method != "ar" else None, method=method,
-                   max_new_tokens=MAX_NEW, cure=cure if method == "cure" else None, mesh=mesh)
+                   max_new_tokens=MAX_NEW, cure=cure if method in ("cure", "auto") else None,
+                   mesh=mesh, auto=auto if method == "auto" else None, **kw)
 
 
 @on_mesh
-@pytest.mark.parametrize("method", ["ar", "chain", "cure"])
-def test_sharded_decoding_equals_unsharded(method):
+@pytest.mark.parametrize("chunk", [PREFILL_CHUNK, 4], ids=["one_step_prefill", "chunks_of_4"])
+@pytest.mark.parametrize("method", ["ar", "chain", "cure", "auto"])
+def test_sharded_decoding_equals_unsharded(method, chunk):
+  """Against one device prefilling each prompt in one step; prompts of 7, 8 and 9 tokens with
+  chunks of 4 (under, at and over a chunk multiple)."""
   target, drafter = random_models.pair(ARCH, 5)
-  batch = random_models.prompts(5, ARCH.vocab, 3)   # 3 prompts: padded to 4 for data=2
+  # 3 prompts: padded to 4 for data=2
+  batch = (random_models.prompts(5, ARCH.vocab, 3) if chunk == PREFILL_CHUNK else
+           [random_models.prompts(5 + n, ARCH.vocab, 1, lo=n, hi=n)[0] for n in (7, 8, 9)])
   ref = _generator(method, target, drafter).generate(batch)
-  assert method == "ar" or any(n >= 2 for r in ref for n in r.accept_lengths)  # drafts accepted
+  if method == "auto":  # the controller switched budgets (plain steps and drafts)
+    assert len({st["budget"] for r in ref for st in r.stats}) >= 2
+  else:
+    assert method == "ar" or any(n >= 2 for r in ref for n in r.accept_lengths)  # accepted
   branch = lambda r: [s["winning_branch"] for s in r.stats]
   assert method != "cure" or any(any(branch(r)) for r in ref)                  # repairs won
   for data, model in ((1, 2), (2, 2)):
-    gen = _generator(method, target, drafter, _mesh(data, model))
+    gen = _generator(method, target, drafter, _mesh(data, model), prefill_chunk=chunk)
     got = gen.generate(batch)
     assert len(got) == len(batch)
     for g, r in zip(got, ref):
       assert g.output_ids == r.output_ids, (method, data, model)
+      if method == "auto":  # the padded batch row weighs in the controller's batch-wide choice
+        continue
       assert g.accept_lengths == r.accept_lengths, (method, data, model)
       assert branch(g) == branch(r), (method, data, model)
     # The compiled state keeps the KV caches split: batch over data, KV heads over model.

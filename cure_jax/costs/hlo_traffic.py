@@ -227,7 +227,8 @@ def _trip_count(attrs: str) -> int | None:
 @dataclasses.dataclass
 class Traffic:
   """HBM bytes by label, on-chip bytes skipped, op counts; `unknown_trips` nested loops whose
-  trip count the HLO does not state (counted once)."""
+  trip count the HLO does not state (counted once), `unknown_trip_bytes` the bytes of that one
+  iteration of each (so a caller who knows the trips can scale them)."""
 
   hbm: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   on_chip: float = 0.0
@@ -235,6 +236,7 @@ class Traffic:
   kernels: int = 0                  # Pallas kernels: Mosaic TPU (tpu_custom_call), Triton on GPUs
   collectives: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   unknown_trips: int = 0
+  unknown_trip_bytes: float = 0.0
   ops: list = dataclasses.field(default_factory=list)    # (HBM bytes, name, opcode, op_name)
 
   def add(self, other: "Traffic", times: int = 1) -> None:
@@ -246,6 +248,7 @@ class Traffic:
     self.fusions += other.fusions * times
     self.kernels += other.kernels * times
     self.unknown_trips += other.unknown_trips
+    self.unknown_trip_bytes += other.unknown_trip_bytes * times
     if times > 0:
       self.ops.extend(other.ops)
 
@@ -264,6 +267,7 @@ class Traffic:
                 kernels=self.kernels,
                 collectives=dict(sorted(self.collectives.items())),
                 nested_loops_without_trip_count=self.unknown_trips,
+                nested_loop_iteration_bytes=self.unknown_trip_bytes,
                 by_op={k: float(v) for k, v in by_op.most_common(top)},
                 largest=[dict(bytes=float(b), name=n, opcode=o, op_name=m)
                          for b, n, o, m in largest])
@@ -377,6 +381,7 @@ class _Counter:
           self.loops.append((ins.name, trips, inner))
         if trips is None and not comp.entry:
           inner.unknown_trips += 1
+          inner.unknown_trip_bytes = inner.total
         t.add(inner, trips or 1)
         labels[ins.name] = srcs[0]
         continue

@@ -24,11 +24,13 @@ class ArDraft(Method):
       raise ValueError(f"ar_draft drafter vocab {drafter.cfg.vocab_size} != target vocab "
                        f"{target.cfg.vocab_size}: it must share the target's tokenizer")
 
-  def init_drafter(self, drafter, spec, target_out, prompt, prompt_len, positions, mask):
-    del target_out
-    b = prompt.shape[0]
-    out = drafter(prompt, positions, drafter.init_cache(b, 0), mask)
-    return drafter.init_cache(b, spec.max_len).append(out.k, out.v, prompt_len)
+  def init_drafter(self, drafter, spec, batch):
+    return drafter.init_cache(batch, spec.max_len)
+
+  def prefill_drafter(self, drafter, dcache, spec, target_out, tokens, positions, chunk):
+    del spec, target_out
+    out = drafter(tokens, positions, dcache, chunk)
+    return dcache.append(out.k, out.v, chunk.count)
 
   def propose(self, target, drafter, dcache, spec, key, anchor, lengths, limit, want_tree=None):
     del target, want_tree

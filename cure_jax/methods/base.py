@@ -21,7 +21,7 @@ from flax import struct
 
 from cure_jax.methods import registry
 from cure_jax.models.cache import take_tokens
-from cure_jax.tree import candidates as tree_lib, repair, sampling
+from cure_jax.tree import candidates as tree_lib, controller, repair, sampling
 from cure_jax.tree.sampling import Sampling
 
 
@@ -36,8 +36,11 @@ class Spec:
   block_size: int = 1                      # K: tree depth + 1 (chain/cure), gamma + 1 (ar_draft)
   mask_token_id: int = 0
   feature_layers: tuple[int, ...] = ()
+  prefill_chunk: int = 512                 # prompt tokens per prefill step (one compile for all)
+  drafter_window: int = 0                  # DFlash: context positions drafts see; 0 = all
   cure: repair.RepairConfig | None = None
   sampling: Sampling = Sampling()
+  auto: controller.Settings | None = None  # the goodput controller's budgets and costs
 
   def __post_init__(self):
     registry.get(self.method)  # a clear error for an unknown name
@@ -69,6 +72,7 @@ class Proposal:
   block_margins: jax.Array | None = None  # [B, K-1] top-1 minus top-2 of the main draft
   q: jax.Array | None = None              # [B, V, N] distribution each node was drawn from
   deterministic: jax.Array | None = None  # [B, V] nodes placed by rank (one-hot q)
+  path_logp: jax.Array | None = None      # [B, V] log q of each node's whole path (controller)
 
 
 @struct.dataclass
@@ -133,6 +137,7 @@ class Method:
   name: ClassVar[str] = ""
   drafter_kind: ClassVar[str | None] = None  # None, "block" (DFlash) or "autoregressive"
   tree_config: ClassVar[bool] = False        # reads the cure.* settings (RepairConfig)
+  controlled: ClassVar[bool] = False         # the goodput controller picks its budget (auto.*)
 
   # --- host side: the generator and the pipeline ------------------------------------------------
 
@@ -168,11 +173,16 @@ class Method:
     del spec
     return False
 
-  def init_drafter(self, drafter, spec: Spec, target_out, prompt, prompt_len, positions, mask):
-    """The drafter's state after the prompt [B, P] (None without a drafter); target_out is the
-    target's prefill output, mask the prompt's causal mask [B, P, P]."""
-    del drafter, spec, target_out, prompt, prompt_len, positions, mask
+  def init_drafter(self, drafter, spec: Spec, batch: int):
+    """The drafter's state before the prompt (None without a drafter)."""
+    del drafter, spec, batch
     return None
+
+  def prefill_drafter(self, drafter, dcache, spec: Spec, target_out, tokens, positions, chunk):
+    """The drafter's state after one prompt chunk: tokens, positions [B, T], target_out the
+    target's output over them, chunk their Prefix (the first chunk.count tokens are real)."""
+    del drafter, spec, target_out, tokens, positions, chunk
+    return dcache
 
   def propose(self, target, drafter, dcache, spec: Spec, key, anchor, lengths, limit,
               want_tree=None):

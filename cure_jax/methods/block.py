@@ -30,10 +30,13 @@ class BlockDrafter(Method):
     return dict(mask_token_id=drafter.cfg.mask_token_id,
                 feature_layers=drafter.cfg.feature_layers)
 
-  def init_drafter(self, drafter, spec, target_out, prompt, prompt_len, positions, mask):
-    del mask
+  def init_drafter(self, drafter, spec, batch):
+    return drafter.init_cache(batch, spec.max_len)
+
+  def prefill_drafter(self, drafter, dcache, spec, target_out, tokens, positions, chunk):
+    del spec, tokens
     k, v = drafter.context_kv(target_out.features, positions)
-    return drafter.init_cache(prompt.shape[0], spec.max_len).append(k, v, prompt_len)
+    return dcache.append(k, v, chunk.count)
 
   def resync_nodes(self, spec: Spec, tree, path):
     """Tree nodes [B, K] whose target features the drafter takes in: the winning path."""
@@ -83,7 +86,7 @@ def hidden(target, drafter, dcache, spec: Spec, anchor, lengths, limit, known=No
   blocks = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], known.shape[:2] + (1,)),
                             known], axis=-1)                                # [B, A, K]
   positions = lengths[:, None] + jnp.arange(k)[None]                       # [B, K]
-  return drafter(target.embed(blocks), positions, dcache, limit + 1)
+  return drafter(target.embed(blocks), positions, dcache, limit + 1, spec.drafter_window)
 
 
 def main_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit):

@@ -20,9 +20,13 @@ class DDTree(block.TreeBlockDrafter):
     residual), which is lossless whichever tokens were chosen."""
     del key, want_tree
     logits = block.main_logits(target, drafter, dcache, spec, anchor, lengths, limit)
-    logp, tokens = repair.top_k(log_q(spec, logits), spec.cure.topk)        # [B, K-1, k]
+    logq = log_q(spec, logits)                                              # [B, K-1, N]
+    logp, tokens = repair.top_k(logq, spec.cure.topk)                       # [B, K-1, k]
     t = best_first.ddtree(anchor, tokens, logp, limit, v_max=spec.cure.v_max)
-    proposal = Proposal(t, block_margins=repair.margins(logits))
+    rows = jnp.arange(t.tokens.shape[0])[:, None]
+    own = logq[rows, jnp.maximum(t.depth - 1, 0), t.tokens]                 # [B, V]
+    proposal = Proposal(t, block_margins=repair.margins(logits),
+                        path_logp=best_first.cumulative(t, own))
     if spec.sampling.greedy:
       return proposal, dcache
     b, v = t.tokens.shape

@@ -173,17 +173,23 @@ class DFlash(nnx.Module):
     kvs = [layer.self_attn.kv(c, positions) for layer in self.layers]
     return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
 
-  def __call__(self, block_embeds, positions, cache: KVCache, block_len):
+  def __call__(self, block_embeds, positions, cache: KVCache, block_len, window: int = 0):
     """Drafts blocks that share one context.
 
     block_embeds: [B, A, K, H] target embeddings of the block tokens (anchor, then mask or known
     tokens); positions: [B, K] absolute positions; block_len: [B] keys of the block at index
-    >= block_len are hidden (a block shortened near the end of generation).
+    >= block_len are hidden (a block shortened near the end of generation); window: the block
+    sees only the last `window` context positions (0: all of them), as SGLang's DFlash draft
+    window does (block drafters' acceptance is reported to fall past ~16k tokens of context); the
+    target's verification keeps the output exact whatever the drafter sees.
     Returns normed hidden states [B, A, K, H].
     """
     k = block_embeds.shape[2]
     x = block_embeds.astype(self.dtype) * self.cfg.input_embedding_scale
-    ctx_mask = cache.visible()[:, None, None, :]                           # [B, 1, 1, S]
+    ctx_mask = cache.visible()                                             # [B, S]
+    if window:
+      ctx_mask &= jnp.arange(cache.max_len)[None] >= (cache.lengths - window)[:, None]
+    ctx_mask = ctx_mask[:, None, None, :]                                  # [B, 1, 1, S]
     ctx_mask = jnp.broadcast_to(ctx_mask, (x.shape[0], 1, k, cache.max_len))
     block_mask = jnp.arange(k)[None, :] < block_len[:, None]               # [B, K]
     block_mask = jnp.broadcast_to(block_mask[:, None, None, :], x.shape[:2] + (k, k))

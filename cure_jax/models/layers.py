@@ -48,7 +48,9 @@ class SwiGLU(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Rope:
-  """Rotary embedding settings from a checkpoint's config.json (default, linear, llama3)."""
+  """Rotary embedding settings from a checkpoint's config.json: default, linear, llama3 and yarn
+  (Qwen3's 131,072-token context: factor 4 over its original 32,768), as transformers computes
+  them."""
 
   head_dim: int
   theta: float
@@ -57,6 +59,10 @@ class Rope:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position: int = 8192
+  beta_fast: float = 32.0           # yarn: rotations bounding the extrapolated band
+  beta_slow: float = 1.0            # yarn: rotations bounding the interpolated band
+  truncate: bool = True             # yarn: round the band's ends outward
+  attention_factor: float = 1.0     # yarn: cos and sin are scaled by this
 
   def inv_freq(self) -> jnp.ndarray:
     inv = 1.0 / (self.theta ** (jnp.arange(0, self.head_dim, 2, dtype=jnp.float32) / self.head_dim))
@@ -72,7 +78,21 @@ class Rope:
       scaled = jnp.where(wavelen > low_wavelen, inv / self.factor, inv)
       is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
       return jnp.where(is_mid, mid, scaled)
+    if self.kind == "yarn":
+      low, high = (self._yarn_dim(r) for r in (self.beta_fast, self.beta_slow))
+      if self.truncate:
+        low, high = math.floor(low), math.ceil(high)
+      low, high = max(low, 0), min(high, self.head_dim - 1)
+      high = high + 0.001 if low == high else high
+      ramp = jnp.clip((jnp.arange(self.head_dim // 2, dtype=jnp.float32) - low) / (high - low),
+                      0, 1)                                   # 0: extrapolate, 1: interpolate
+      return inv / self.factor * ramp + inv * (1 - ramp)
     return inv
+
+  def _yarn_dim(self, rotations: float) -> float:
+    """The dimension whose wavelength fits `rotations` times in the original window."""
+    return (self.head_dim * math.log(self.original_max_position / (rotations * 2 * math.pi)) /
+            (2 * math.log(self.theta)))
 
   def __call__(self, x, positions):
     """Rotates x [..., T, heads, D] by positions [..., T] (HF's rotate_half layout)."""
@@ -81,7 +101,17 @@ class Rope:
     x32 = x.astype(jnp.float32)
     half = self.head_dim // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if self.attention_factor != 1.0:
+      cos, sin = cos * self.attention_factor, sin * self.attention_factor
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_from_hf(config: dict, head_dim: int) -> Rope:
@@ -91,17 +121,36 @@ def rope_from_hf(config: dict, head_dim: int) -> Rope:
   params.update(scaling)
   kind = params.get("rope_type", params.get("type", "default")) or "default"
   theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-  if kind not in ("default", "linear", "llama3"):
-    raise ValueError(f"rope type {kind!r} is not supported (supported: default, linear, llama3); "
+  if kind not in ROPE_KINDS:
+    raise ValueError(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)}); "
                      "edit rope_scaling in config.json or add the variant to cure_jax/models/layers.py")
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("partial_rotary_factor != 1 is not supported (every head dimension rotates)")
+  original = int(params.get("original_max_position_embeddings")
+                 or config.get("max_position_embeddings") or 8192)
+  factor = params.get("factor")
+  if factor is None:
+    factor = config.get("max_position_embeddings", original) / original if kind == "yarn" else 1.0
+  factor = float(factor)
+  attention_factor = 1.0
+  if kind == "yarn":
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+      mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+      attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                          if mscale and mscale_all else _yarn_mscale(factor))
   return Rope(
       head_dim=head_dim,
       theta=theta,
       kind=kind,
-      factor=float(params.get("factor", 1.0)),
+      factor=factor,
       low_freq_factor=float(params.get("low_freq_factor", 1.0)),
       high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-      original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+      original_max_position=original,
+      beta_fast=float(params.get("beta_fast") or 32.0),
+      beta_slow=float(params.get("beta_slow") or 1.0),
+      truncate=bool(params.get("truncate", True)),
+      attention_factor=float(attention_factor),
   )
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cure_jax.models.cache import KVCache
+from cure_jax.models.kernels import prefix as prefix_attention
 from cure_jax.models.layers import (RMSNorm, Rope, SwiGLU, attend, embed_lookup, linear,
                                     rope_from_hf)
 from cure_jax.models.moe import MoEConfig, SparseMoE
@@ -88,8 +89,9 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(d, cfg.rms_eps, dtype)
       self.k_norm = RMSNorm(d, cfg.rms_eps, dtype)
 
-  def __call__(self, x, positions, k_old, v_old, mask_old, mask_new):
-    """x [B, T, H]; returns the output [B, T, H] and this layer's new (k, v) [B, T, KVH, D]."""
+  def __call__(self, x, positions, k_old, v_old, mask):
+    """x [B, T, H]; mask [B, T, S + T] or a prompt chunk's Prefix. Returns the output [B, T, H]
+    and this layer's new (k, v) [B, T, KVH, D]."""
     b, t, _ = x.shape
     cfg = self.cfg
     q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -98,8 +100,12 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = cfg.rope(q, positions), cfg.rope(k, positions)
-    out = attend(q[:, None], k_old, v_old, k[:, None], v[:, None], mask_old[:, None],
-                 mask_new[:, None])[:, 0]                                 # [B, T, H, D]
+    if isinstance(mask, prefix_attention.Prefix):
+      out = prefix_attention.attend(q, k_old, v_old, k, v, mask)           # [B, T, H, D]
+    else:
+      s = k_old.shape[2]
+      out = attend(q[:, None], k_old, v_old, k[:, None], v[:, None], mask[:, None, :, :s],
+                   mask[:, None, :, s:])[:, 0]                            # [B, T, H, D]
     return self.o_proj(out.reshape(b, t, -1)), (k, v)
 
 
@@ -111,8 +117,8 @@ class DecoderLayer(nnx.Module):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
 
-  def __call__(self, x, positions, k_old, v_old, mask_old, mask_new):
-    attn, kv = self.self_attn(self.input_layernorm(x), positions, k_old, v_old, mask_old, mask_new)
+  def __call__(self, x, positions, k_old, v_old, mask):
+    attn, kv = self.self_attn(self.input_layernorm(x), positions, k_old, v_old, mask)
     x = x + attn
     return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -149,18 +155,17 @@ class Qwen3(nnx.Module):
     return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
 
   def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = ()):
-    """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens].
+    """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens], or a
+    Prefix when the tokens are a prompt chunk (chunked prefill).
 
     feature_layers uses the transformers `hidden_states` index: 0 is the embedding output, i the
     output of layer i, and num_layers the final normed output.
     """
-    s = cache.max_len
-    mask_old, mask_new = mask[..., :s], mask[..., s:]
     x = self.embed(tokens)
     states = {0: x}
     ks, vs = [], []
     for i, layer in enumerate(self.layers):
-      x, (k, v) = layer(x, positions, cache.k[i], cache.v[i], mask_old, mask_new)
+      x, (k, v) = layer(x, positions, cache.k[i], cache.v[i], mask)
       ks.append(k)
       vs.append(v)
       states[i + 1] = x

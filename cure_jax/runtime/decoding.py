@@ -1,8 +1,8 @@
 """The jitted generation loop shared by every method.
 
-`prefill` runs the prompt through the target (and the drafter), `decode` runs
+`prefill` runs the prompt through the target (and the drafter) in chunks, `decode` runs
 `lax.while_loop` over iterations of propose -> verify -> commit -> resync until every sequence
-has its tokens or hit a stop token. Both are compiled once per (Spec, batch, prompt bucket);
+has its tokens or hit a stop token. Both are compiled once per (Spec, batch, cache length);
 the loop never returns to the host between iterations. What differs between methods is asked
 of `spec.impl` (cure_jax/methods); this file names no method.
 """
@@ -18,8 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cure_jax.methods.base import Proposal, Spec, Verified, choose, depth_limit
 from cure_jax.models.cache import KVCache
+from cure_jax.models.kernels.prefix import Prefix
 from cure_jax.runtime import sharding
-from cure_jax.tree import budget as budget_lib, sampling, verify
+from cure_jax.tree import budget as budget_lib, candidates as tree_lib, controller, sampling, verify
 
 
 @struct.dataclass
@@ -35,12 +36,15 @@ class Stats:
   ufp_margins: jax.Array      # [B, N, U]
   branches: jax.Array         # [B, N, U]
   block_margins: jax.Array    # [B, N, K-1] top-1 minus top-2 of the main draft's logits
+  budget: jax.Array           # node budget the controller chose (0: no controller)
+  expected: jax.Array         # tokens it expected of this sequence at that budget
 
   @classmethod
   def zeros(cls, batch: int, n: int, u: int, k: int) -> "Stats":
     z = jnp.zeros((batch, n), jnp.int32)
     return cls(z, z, z, z, z, jnp.full((batch, n, u), -1, jnp.int32), jnp.zeros((batch, n, u)),
-               jnp.zeros((batch, n, u), jnp.int32), jnp.zeros((batch, n, max(k - 1, 0))))
+               jnp.zeros((batch, n, u), jnp.int32), jnp.zeros((batch, n, max(k - 1, 0))), z,
+               jnp.zeros((batch, n)))
 
 
 @struct.dataclass
@@ -56,6 +60,7 @@ class State:
   key: jax.Array              # PRNG key (used when sampling)
   stats: Stats
   budget: budget_lib.Budget | None = None  # the online budget's running means (spec.online)
+  controller: controller.Controller | None = None  # the goodput controller's (spec.auto)
 
 
 def _merge(graphdef, params):
@@ -68,25 +73,47 @@ def _is_stop(spec: Spec, tokens):
   return jnp.isin(tokens, jnp.asarray(spec.stop_ids, tokens.dtype))
 
 
+def prefill_chunks(target, drafter, spec: Spec, prompt, prompt_len):
+  """The prompt [B, P] into the target cache (and the drafter's state), spec.prefill_chunk
+  tokens a step; the steps are a loop count, so one compiled program serves every prompt length.
+
+  Each chunk attends to the cache so far and causally to itself (kernels/prefix.py): nothing
+  [P, P] is built. Rows of different lengths share the steps; a row whose prompt has ended
+  takes no more tokens. Returns (target cache, drafter state, final hidden state [B, H] at each
+  row's last prompt token)."""
+  b, p = prompt.shape
+  c = min(spec.prefill_chunk, p)
+  prompt = jnp.pad(prompt, ((0, 0), (0, -p % c)))                          # [B, chunks * C]
+
+  def step(i, carry):
+    cache, dcache, last = carry
+    start = i * c
+    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, c, axis=1)       # [B, C]
+    positions = jnp.broadcast_to(start + jnp.arange(c), (b, c))
+    chunk = Prefix(lengths=cache.lengths, count=jnp.clip(prompt_len - start, 0, c))
+    out = target(tokens, positions, cache, chunk, spec.feature_layers)
+    at = prompt_len - 1 - start                                            # [B]
+    here = jnp.take_along_axis(out.hidden, jnp.clip(at, 0, c - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.where(((at >= 0) & (at < c))[:, None], here, last)
+    dcache = spec.impl.prefill_drafter(drafter, dcache, spec, out, tokens, positions, chunk)
+    return cache.append(out.k, out.v, chunk.count), dcache, last
+
+  init = (target.init_cache(b, spec.max_len), spec.impl.init_drafter(drafter, spec, b),
+          jnp.zeros((b, target.cfg.hidden_size), target.dtype))
+  steps = (jnp.max(prompt_len) + c - 1) // c
+  return jax.lax.fori_loop(0, steps, step, init)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> State:
   """prompt [B, P] right-padded ids, prompt_len [B], a PRNG key (for sampling; default seed 0)
   -> the state before the first iteration."""
   key = jax.random.key(0) if key is None else key
   target, drafter = _merge(graphdef, params)
-  b, p = prompt.shape
-  s = spec.max_len
-  positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-  # The prompt attends to itself only: an empty (length-0) cache keeps XLA from constant-folding
-  # attention over an all-zero cache, which can take minutes at large batch.
-  mask = jnp.tril(jnp.ones((p, p), bool))[None] & (jnp.arange(p)[None, None] <
-                                                   prompt_len[:, None, None])
-  out = target(prompt, positions, target.init_cache(b, 0), mask, spec.feature_layers)
-  last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+  b = prompt.shape[0]
+  cache, dcache, last = prefill_chunks(target, drafter, spec, prompt, prompt_len)
   key, sub = jax.random.split(key)
   first, _ = choose(spec, sub, target.logits(last))
-  cache = target.init_cache(b, s).append(out.k, out.v, prompt_len)
-  dcache = spec.impl.init_drafter(drafter, spec, out, prompt, prompt_len, positions, mask)
 
   n = spec.max_new_tokens
   u = spec.cure.max_repair_positions if spec.cure else 1
@@ -95,7 +122,8 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> St
                produced=jnp.ones((b,), jnp.int32), done=_is_stop(spec, first) | (n <= 1),
                iterations=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
                stats=Stats.zeros(b, n, u, spec.block_size),
-               budget=budget_lib.init(b) if spec.online else None)
+               budget=budget_lib.init(b) if spec.online else None,
+               controller=controller.init(b, len(spec.auto.budgets)) if spec.auto else None)
 
 
 def propose(target, drafter, spec: Spec, st: State):
@@ -135,14 +163,17 @@ def verify_tree(target, spec: Spec, st: State, proposal: Proposal):
   branch 0's K slots alone (the tree's first K), at a chain's cost."""
   if not spec.online:
     return _verify(target, spec, st, proposal)
-  k = spec.block_size
-  chain = proposal.replace(
-      tree=proposal.tree.prefix(k),
-      q=None if proposal.q is None else proposal.q[:, :k],
-      deterministic=None if proposal.deterministic is None else proposal.deterministic[:, :k])
   return jax.lax.cond(jnp.any(_beyond_branch0(proposal.tree)),
                       lambda: _verify(target, spec, st, proposal),
-                      lambda: _verify(target, spec, st, chain))
+                      lambda: _verify(target, spec, st, _prefix(proposal, spec.block_size)))
+
+
+def _prefix(proposal: Proposal, n: int) -> Proposal:
+  """The proposal cut to its first n nodes (a tree when parents precede children)."""
+  cut = lambda x: None if x is None else x[:, :n]
+  return proposal.replace(tree=proposal.tree.prefix(n), q=cut(proposal.q),
+                          deterministic=cut(proposal.deterministic),
+                          path_logp=cut(proposal.path_logp))
 
 
 def _emitted(spec: Spec, st: State, tree, verdict):
@@ -215,8 +246,54 @@ def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified) 
       stats=_record(st.stats, st.step, active, proposal, verdict, n_new), budget=budget)
 
 
+def verify_budget(target, spec: Spec, st: State, proposal: Proposal, n: int):
+  """verify_tree over the proposal's first n nodes only (the rest masked off)."""
+  tree = proposal.tree
+  cut = proposal.replace(tree=tree.replace(valid=tree.valid & (jnp.arange(tree.size) < n)))
+  return _verify(target, spec, st, _prefix(cut, n))
+
+
+def _root_only(spec: Spec, st: State, shapes):
+  """A proposal shaped like `shapes` whose tree is the root alone: a plain target step."""
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  b, v = shapes[0].tree.tokens.shape
+  tree = tree_lib.build(st.anchor, jnp.zeros((b, v - 1), jnp.int32), jnp.zeros((b,), jnp.int32),
+                        v_max=v)
+  return zeros[0].replace(tree=tree), st.dcache
+
+
+def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
+  """One iteration at the node budget the goodput controller picks for the whole batch
+  (cure_jax/tree/controller.py): budget 1 skips the drafter; budget n verifies the first n
+  nodes of the method's best-first tree, each budget its own compiled branch."""
+  cfg = spec.auto
+  active = ~st.done
+  arm = controller.choose(st.controller, cfg, active, st.step)
+  n = jnp.asarray(cfg.budgets)[arm]
+  drafted = functools.partial(propose, target, drafter, spec, st)
+  if cfg.budgets[0] == 1:
+    shapes = jax.eval_shape(drafted)
+    proposal, dcache = jax.lax.cond(n == 1, lambda: _root_only(spec, st, shapes), drafted)
+  else:
+    proposal, dcache = drafted()
+  mass = controller.masses(cfg, proposal.tree.valid, proposal.path_logp)
+  verdict, verified = jax.lax.switch(
+      arm, [functools.partial(verify_budget, target, spec, st, proposal, m) for m in cfg.budgets])
+  tree = proposal.tree
+  proposal = proposal.replace(tree=tree.replace(valid=tree.valid & (jnp.arange(tree.size) < n)))
+  expected = jnp.take(controller.expected_tokens(st.controller), arm, axis=1)
+  new = commit(drafter, spec, st, proposal, dcache, verdict, verified)
+  put = lambda buf, val: buf.at[:, st.step].set(jnp.where(active, val, buf[:, st.step]))
+  stats = new.stats.replace(budget=put(new.stats.budget, jnp.broadcast_to(n, active.shape)),
+                            expected=put(new.stats.expected, expected))
+  return new.replace(stats=stats, controller=controller.update(
+      st.controller, cfg, arm, active, mass, verdict.accepted))
+
+
 def iteration(target, drafter, spec: Spec, st: State) -> State:
   """One propose -> verify -> commit/resync step for every sequence still running."""
+  if spec.auto is not None:
+    return controlled_iteration(target, drafter, spec, st)
   proposal, dcache = propose(target, drafter, spec, st)
   verdict, verified = verify_tree(target, spec, st, proposal)
   return commit(drafter, spec, st, proposal, dcache, verdict, verified)

@@ -12,11 +12,12 @@ from flax import nnx
 
 from cure_jax import methods
 from cure_jax.methods.base import Spec
-from cure_jax.runtime import decoding, sharding
-from cure_jax.tree import repair
+from cure_jax.runtime import cost_curve, decoding, sharding
+from cure_jax.tree import controller, repair
 from cure_jax.tree.sampling import Sampling
 
 PROMPT_BUCKET = 32
+PREFILL_CHUNK = Spec.prefill_chunk   # prompt tokens per prefill step; configs/ may change it
 _EXECUTABLES: dict[tuple, tuple] = {}  # (graphdef, Spec, batch, bucket, mesh) -> (prefill, decode)
 
 
@@ -49,30 +50,45 @@ def prompt_bucket(length: int) -> int:
 
 def decoding_spec(method: str, drafter, max_new_tokens: int, max_len: int, stop_ids=(),
                   block_size: int = 1, cure: repair.RepairConfig | None = None,
-                  sampling: Sampling = Sampling()) -> Spec:
+                  sampling: Sampling = Sampling(), prefill_chunk: int = PREFILL_CHUNK,
+                  drafter_window: int = 0,
+                  auto: controller.Settings | None = None) -> Spec:
   """The static Spec of a run; the method takes what it needs from the drafter (a DFlash
   drafter's mask token and target layers). Works on abstract modules (nnx.eval_shape) too."""
   impl = methods.get(method)
   return Spec(method=method, max_new_tokens=max_new_tokens, max_len=max_len,
               stop_ids=tuple(stop_ids), block_size=block_size,
               cure=cure if impl.tree_config else None, sampling=sampling,
-              **impl.spec_fields(drafter))
+              prefill_chunk=prefill_chunk,
+              drafter_window=drafter_window if impl.drafter_kind == "block" else 0,
+              auto=auto if impl.controlled else None, **impl.spec_fields(drafter))
 
 
 class Generator:
   """Decodes token-id prompts with one method; construct once, call `generate` many times.
 
   With a `mesh` (cure_jax.runtime.sharding.make_mesh) the parameters are sharded by the partition
-  rules and each batch is padded to a multiple of mesh.data and split over it.
+  rules and each batch is padded to a multiple of mesh.data and split over it. A controlled
+  method (auto) takes its budgets from `auto`; without costs there, the device's cost curve is
+  timed once per batch size (cure_jax/runtime/cost_curve.py).
   """
 
   def __init__(self, target, drafter=None, *, method: str, max_new_tokens: int,
                stop_ids=(), block_size: int | None = None, cure: repair.RepairConfig | None = None,
                max_len: int | None = None, mesh=None, sampling: Sampling = Sampling(),
-               seed: int = 0, compiler_options: dict[str, str] | None = None):
+               seed: int = 0, compiler_options: dict[str, str] | None = None,
+               prefill_chunk: int = PREFILL_CHUNK, drafter_window: int = 0,
+               auto: controller.Settings | None = None):
     impl = methods.get(method)
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if prefill_chunk < 1:
+      raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1 (prompt tokens per prefill "
+                       "step; 512 is the default)")
+    if drafter_window < 0:
+      raise ValueError(f"drafter.window={drafter_window} must be >= 0 (context positions the "
+                       "DFlash drafter sees; 0 = all)")
+    self.prefill_chunk, self.drafter_window = prefill_chunk, drafter_window
     if impl.drafter_kind and drafter is None:
       raise ValueError(f"method={method!r} needs a drafter (set drafter.path)")
     self.target, self.drafter = target, (drafter if impl.drafter_kind else None)
@@ -84,6 +100,15 @@ class Generator:
     block_size = impl.block_size(self.drafter, block_size)
     if block_size < 1:
       raise ValueError(f"block size {block_size} must be >= 1")
+    self.auto = None
+    if impl.controlled:  # the tree holds the largest budget
+      self.auto = auto or controller.Settings()
+      self.auto.validate()
+      if self.auto.budgets[-1] < block_size:
+        raise ValueError(f"auto.budgets={self.auto.budgets}: the largest budget must hold the "
+                         f"drafter's block ({block_size} nodes)")
+      cure = dataclasses.replace(cure or repair.RepairConfig(max_depth=block_size - 1),
+                                 v_max=self.auto.budgets[-1])
     cure = impl.tree_settings(target, block_size, cure)
     self.block_size = block_size
     sampling.validate()
@@ -100,9 +125,15 @@ class Generator:
     # defaults); part of the executables' key
     self.compiler_options = tuple(sorted((compiler_options or {}).items()))
 
-  def spec(self, max_len: int) -> Spec:
-    return decoding_spec(self.method, self.drafter, self.max_new_tokens, max_len, self.stop_ids,
-                         self.block_size, self.cure, self.sampling)
+  def spec(self, max_len: int, batch: int = 1) -> Spec:
+    """The run's Spec; a controlled method's costs come from the device at this batch size."""
+    spec = decoding_spec(self.method, self.drafter, self.max_new_tokens, max_len, self.stop_ids,
+                         self.block_size, self.cure, self.sampling, self.prefill_chunk,
+                         self.drafter_window, self.auto)
+    if spec.auto is not None and not spec.auto.costs:
+      seconds = cost_curve.costs(self.graphdef, self.params, spec, batch)
+      spec = dataclasses.replace(spec, auto=dataclasses.replace(spec.auto, costs=seconds))
+    return spec
 
   def cache_len(self, prompt_len: int) -> int:
     """The static cache length for a prompt bucket; checks the user's max_len if given."""
@@ -120,7 +151,7 @@ class Generator:
 
   def _executables(self, batch: int, bucket: int, max_len: int):
     """Compiled prefill and decode, shared by every Generator with the same model structure."""
-    spec = self.spec(max_len)
+    spec = self.spec(max_len, batch)
     key = (self.graphdef, spec, batch, bucket, self.mesh, self.compiler_options)
     options = dict(self.compiler_options)
     if key not in _EXECUTABLES and self.mesh is not None:
@@ -153,7 +184,8 @@ class Generator:
       prompts = list(prompts) + [prompts[-1]] * (-count % sharding.batch_multiple(self.mesh))
     longest = max(len(p) for p in prompts)
     max_len = self.cache_len(longest)
-    bucket = prompt_bucket(longest)
+    # with a fixed max_len every prompt pads to it: one compiled prefill for all lengths
+    bucket = max_len if self.max_len else prompt_bucket(longest)
     pre, dec = self._executables(len(prompts), bucket, max_len)
     padded = np.zeros((len(prompts), bucket), np.int32)
     for i, p in enumerate(prompts):
@@ -185,7 +217,8 @@ class Generator:
                             if x >= 0],
                   branch0_accepted=int(st.branch0_accepted[i, t]),
                   repair_gain=int(st.repair_gain[i, t]),
-                  block_margins=[round(float(m), 4) for m in st.block_margins[i, t]])
+                  block_margins=[round(float(m), 4) for m in st.block_margins[i, t]],
+                  budget=int(st.budget[i, t]), expected=round(float(st.expected[i, t]), 3))
              for t in range(iters)]
     return Result(output_ids=[int(x) for x in state.tokens[i, :n]], iterations=iters,
                   accept_lengths=[s["accept_lengths"] for s in stats], stats=stats,

@@ -6,10 +6,9 @@ way and reports the same JSON.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -17,8 +16,9 @@ import numpy as np
 
 from cure_jax import methods
 from cure_jax.runtime import hub
+from cure_jax.runtime import files
 from cure_jax.runtime.generation import Generator, Result
-from cure_jax.tree import repair
+from cure_jax.tree import controller, repair
 from cure_jax.tree.sampling import Sampling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -168,6 +168,27 @@ def repair_config(config, block_size: int) -> repair.RepairConfig:
   return repair.RepairConfig(**c)
 
 
+def _numbers(value, kind):
+  """A tuple from a config value: '1,4,8' or a list/tuple of numbers."""
+  items = value.split(",") if isinstance(value, str) else list(value)
+  return tuple(kind(x) for x in items if str(x).strip())
+
+
+def auto_settings(config) -> controller.Settings:
+  """The goodput controller's settings (auto.*), checked."""
+  a = config.auto
+  try:
+    settings = controller.Settings(budgets=_numbers(a.budgets, int),
+                                   costs=_numbers(a.costs, float), decay=float(a.decay),
+                                   explore_every=int(a.explore_every),
+                                   explore_overhead=float(a.explore_overhead))
+  except ValueError as e:
+    raise ValueError(f"auto.budgets={a.budgets!r} / auto.costs={a.costs!r}: give comma-separated "
+                     f"numbers ({e})") from e
+  settings.validate()
+  return settings
+
+
 def compiler_options(pairs) -> dict[str, str]:
   """XLA options from 'name=value,name=value' (a config string) or a list of 'name=value'."""
   items = [p.strip() for p in (pairs.split(",") if isinstance(pairs, str) else pairs) if p.strip()]
@@ -188,7 +209,10 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
                    max_len=int(config.max_len) or None, mesh=mesh_of(config),
                    sampling=Sampling(float(config.temperature), int(config.top_k),
                                      float(config.top_p)), seed=int(config.seed),
-                   compiler_options=compiler_options(config.compiler_options))
+                   compiler_options=compiler_options(config.compiler_options),
+                   prefill_chunk=int(config.prefill_chunk),
+                   drafter_window=int(config.drafter.window),
+                   auto=auto_settings(config) if impl.controlled else None)
 
 
 def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,
@@ -205,10 +229,14 @@ def summary(results: list[Result]) -> dict:
   lens = [a for r in results for a in r.accept_lengths]
   tokens = sum(len(r.output_ids) for r in results)
   decode_s = sum(r.decode_s for r in results)
-  return dict(prompts=len(results), generated_tokens=tokens, iterations=len(lens),
-              tau=float(np.mean(lens)) if lens else 0.0,
-              tpot_ms=float(np.mean([r.tpot_ms for r in results])),
-              tokens_per_s=float(sum(len(r.output_ids) - 1 for r in results) / max(decode_s, 1e-9)))
+  out = dict(prompts=len(results), generated_tokens=tokens, iterations=len(lens),
+             tau=float(np.mean(lens)) if lens else 0.0,
+             tpot_ms=float(np.mean([r.tpot_ms for r in results])),
+             tokens_per_s=float(sum(len(r.output_ids) - 1 for r in results) / max(decode_s, 1e-9)))
+  taken = collections.Counter(s["budget"] for r in results for s in r.stats if s.get("budget"))
+  if taken:  # a controlled method: iterations per node budget it chose
+    out["budgets"] = " ".join(f"{n}:{c}" for n, c in sorted(taken.items()))
+  return out
 
 
 def result_rows(results: list[Result], tokenizer) -> list[dict]:
@@ -220,23 +248,6 @@ def result_rows(results: list[Result], tokenizer) -> list[dict]:
   return rows
 
 
-def write_atomic(path, data: bytes) -> None:
-  """Writes a file atomically (a temporary file in the same folder, then a rename), readable by
-  all like a plainly written file (mkstemp creates 0600)."""
-  dest = Path(path)
-  dest.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, dest)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-
-
-def write_json(path: str, obj) -> None:
-  """Writes JSON atomically (see write_atomic)."""
-  write_atomic(path, json.dumps(obj, indent=1).encode())
+# Callers write results through the pipeline they already import.
+write_atomic = files.write_atomic
+write_json = files.write_json

@@ -13,6 +13,7 @@ loop state: no host round-trip.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 

@@ -6,12 +6,14 @@ machinery of bench.py; `run_tables` maps the benchmark's flags onto their option
 
 from __future__ import annotations
 
-from experiments.tables import diagnostic, peers, sweep, table1, table3, table4, table5, trees
+from experiments.tables import (diagnostic, goodput, peers, sweep, table1, table3, table4,
+                               table5, trees)
 from experiments.tables.bench import Bench
 
 TABLES = {"1": table1.table1, "3": table3.table3, "4": table4.table4, "5": table5.table5,
           "diagnostic": diagnostic.diagnostic, "sweep": sweep.table_sweep,
-          "peers": peers.table_peers, "trees": trees.table_trees}
+          "peers": peers.table_peers, "trees": trees.table_trees,
+          "goodput": goodput.table_goodput}
 
 
 def _options(name: str, kwargs: dict) -> dict:
@@ -30,12 +32,14 @@ def _options(name: str, kwargs: dict) -> dict:
     return dict(grid={f: grid[f] for f in kwargs.get("sweep_factors") or grid})
   if name == "trees":
     return dict(budgets=kwargs.get("trees_budgets") or trees.BUDGETS)
+  if name == "goodput":
+    return dict(batch_sizes=tuple(kwargs.get("goodput_batches") or goodput.BATCH_SIZES))
   return {}
 
 
 def run_tables(bench: Bench, which: str, **kwargs) -> dict:
   """Runs tables named in `which`: one of '1', '3', '4', '5', 'diagnostic', 'sweep', 'peers',
-  'trees', a comma-separated list of them (decodes are shared), or 'all'."""
+  'trees', 'goodput', a comma-separated list of them (decodes are shared), or 'all'."""
   names = list(TABLES) if which == "all" else [n.strip() for n in which.split(",")]
   bad = [n for n in names if n not in TABLES]
   if bad:

@@ -1,0 +1,109 @@
+"""Attention for one chunk of a prompt: a causal run of new tokens after each row's cache prefix.
+
+Chunked prefill (runtime/decoding.prefill) feeds the prompt T tokens at a time; a chunk's queries
+see the row's first `lengths` cache slots (the chunks before it) and, causally, the chunk itself.
+This is flash attention written in XLA: the cache is read in blocks of T slots by a loop whose
+count is the filled part of the cache (a loop count, not a shape), each block folded into an
+online softmax, so no score tensor larger than [B, H, T, T] exists and the work per chunk grows
+with the prompt so far, not with `max_len`. This form runs on every platform.
+
+On NVIDIA GPUs the same contract is gpu_prefix's Triton flash kernel (the scores stay on
+chip); on TPUs it is the decode kernel (tpu_attention) for chunks of up to TPU_ROWS tokens, its
+rows in VMEM (its masks are int8 [T, S] and [T, T] a row); elsewhere, and for shapes the
+kernels do not tile, this module's XLA form. Why not the kernels
+JAX ships: Pallas flash attention (GPU mha, TPU flash) aligns its causal mask at slot 0 of one
+key array and splash attention's masks are static arrays, while a chunk follows a cache prefix
+whose length is a loop variable; cuDNN's fused attention (jax.nn.dot_product_attention) has not
+been tried here (this project measures GPUs through compile-only targets, with no GPU to build a
+cuDNN graph on). The GPU decode kernel (gpu_attention) keeps all of a block's new tokens on
+chip in each 16-row program, which a chunk of hundreds of tokens does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from cure_jax.models.kernels import gpu_prefix, tpu_attention
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+# Chunks the TPU kernel takes: at 2048 rows Qwen3-8B's call asked 24.3 MB of v5e's 16 MB of
+# scoped VMEM (experiments.aot, results/long_prompts/v5e_2x2_prefill_32k_chunk2048.json)
+TPU_ROWS = 512
+
+
+@struct.dataclass
+class Prefix:
+  """The mask of a prompt chunk, in place of a boolean [B, T, S + T] one: each row's new tokens
+  follow its first `lengths` cache slots, of which they see all; the first `count` new tokens
+  are real (the rest pad the chunk past the prompt's end)."""
+
+  lengths: jax.Array   # [B] cache slots filled before this chunk
+  count: jax.Array     # [B] real tokens in this chunk
+
+
+def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix):
+  """q [B, T, H, D]; k_cache/v_cache [B, KVH, S, D]; k_new/v_new [B, T, KVH, D] -> [B, T, H, D]
+  (rows past prefix.count are padding: what they hold is unspecified)."""
+  args = (q, k_cache, v_cache, k_new, v_new, prefix.lengths, prefix.count)
+  platforms = {}
+  if gpu_prefix.tiles(k_cache.shape[2], q.shape[1], q.shape[3]):
+    platforms["cuda"] = lambda *a: gpu_prefix.attend(*a[:-1])
+  if tpu_attention.tiles(k_cache.shape[2]) and q.shape[1] <= TPU_ROWS:
+    platforms["tpu"] = tpu_attend
+  if not platforms:
+    return xla_attend(*args)
+  return jax.lax.platform_dependent(*args, **platforms, default=xla_attend)
+
+
+def tpu_attend(q, k_cache, v_cache, k_new, v_new, lengths, count, *, interpret: bool = False):
+  """attend through tpu_attention's kernel: the chunk's rows are one block's, the cache's
+  visible slots and the chunk's causal mask as int8 masks ([T, S] and [T, T] a row)."""
+  t = q.shape[1]
+  i = jnp.arange(t)
+  mask_old = (jnp.arange(k_cache.shape[2])[None] < lengths[:, None])[:, None, None]  # [B,1,1,S]
+  mask_new = (i[:, None] >= i[None]) & (i[None, None] < count[:, None, None])       # [B, T, T]
+  return tpu_attention.attend(q[:, None], k_cache, v_cache, k_new[:, None], v_new[:, None],
+                              mask_old, mask_new[:, None], interpret=interpret)[:, 0]
+
+
+def xla_attend(q, k_cache, v_cache, k_new, v_new, lengths, count):
+  """attend in XLA: the cache in blocks of T slots, then the chunk, through an online softmax."""
+  b, t, h, d = q.shape
+  kvh, s = k_cache.shape[1], k_cache.shape[2]
+  block = min(t, s)
+  qg = q.reshape(b, t, kvh, h // kvh, d)
+  scale = 1.0 / math.sqrt(d)
+
+  def update(carry, k, v, visible):           # k, v [B, KVH, N, D]; visible [B, T or 1, N]
+    acc, top, total = carry                   # [B, KVH, G, T, D], [B, KVH, G, T] x 2
+    sc = jnp.einsum("btkgd,bknd->bkgtn", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = visible[:, None, None]
+    sc = jnp.where(visible, sc, _NEG)
+    new_top = jnp.maximum(top, sc.max(-1))
+    p = jnp.where(visible, jnp.exp(sc - new_top[..., None]), 0.0)
+    alpha = jnp.exp(top - new_top)
+    acc = alpha[..., None] * acc + jnp.einsum("bkgtn,bknd->bkgtd", p.astype(v.dtype), v,
+                                              preferred_element_type=jnp.float32)
+    return acc, new_top, alpha * total + p.sum(-1)
+
+  def cache_block(j, carry):
+    start = jnp.minimum(j * block, s - block)  # the last block may overlap the one before it
+    k, v = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=2) for x in (k_cache, v_cache))
+    slot = start + jnp.arange(block)
+    visible = (slot[None] >= j * block) & (slot[None] < lengths[:, None])    # [B, N]
+    return update(carry, k, v, visible[:, None])
+
+  init = (jnp.zeros((b, kvh, h // kvh, t, d), jnp.float32),
+          jnp.full((b, kvh, h // kvh, t), _NEG, jnp.float32),
+          jnp.zeros((b, kvh, h // kvh, t), jnp.float32))
+  steps = (jnp.max(lengths) + block - 1) // block
+  carry = jax.lax.fori_loop(0, steps, cache_block, init)
+  i = jnp.arange(t)
+  own = (i[:, None] >= i[None, :])[None] & (i[None, None, :] < count[:, None, None])
+  acc, _, total = update(carry, k_new.swapaxes(1, 2), v_new.swapaxes(1, 2), own)   # [B, T, T]
+  out = acc / jnp.where(total > 0, total, 1.0)[..., None]                 # [B, KVH, G, T, D]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)

@@ -1,0 +1,122 @@
+"""The goodput controller: each iteration, one compiled node budget for the whole batch.
+
+The paper's efficiency model says tokens/s ∝ (E[a] + 1) / (C_d + C_v(n)). The controller
+applies it to a few statically compiled budgets n (root included; n = 1 is a plain target step
+with no drafter pass) and picks, for the batch, the one with the most expected tokens per second
+
+    Σ_b E[tokens_b | n] / C(B, n),      E[tokens_b | n] = 1 + c_b · m_b(n),
+
+where m_b(n) is the drafter's own prediction of the drafts accepted within the first n nodes of
+a best-first tree (Σ over those nodes of the probability of their whole path: at most one node
+per depth can match the target's greedy token, so this is the expected accepted depth), kept as
+a running mean per sequence, and c_b is the sequence's calibration: accepted drafts over
+predicted ones, running means over the iterations that drafted. C(B, n) is the device's cost
+curve (cure_jax/costs/curve.py), drafter pass included for n > 1.
+
+A plain target step tells nothing about the drafter, so now and then an iteration that would
+take one drafts with the smallest drafting budget instead (the cheapest look at the text): every
+`explore_every`-th iteration, or more rarely when drafting costs so much more than a plain step
+that looking more often would cost over `explore_overhead` of the plain steps' time.
+Everything is loop state: no host round-trip. The budget only cuts a tree to its first n nodes,
+which best-first trees keep closed under parents, so any choice is lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  budgets: tuple[int, ...] = (1, 4, 8, 16)  # node budgets, root included; 1 = a target step
+  costs: tuple[float, ...] = ()             # C(B, n) per budget (any one unit); () = measure
+  decay: float = 0.8                        # running means: new = decay * old + (1-decay) * seen
+  explore_every: int = 16                   # a plain target step becomes a draft this often,
+  explore_overhead: float = 0.02            # or rarer: looking costs at most this fraction
+
+  def validate(self) -> None:
+    b = self.budgets
+    if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:])):
+      raise ValueError(f"auto.budgets={b}: give increasing node counts >= 1 (1 = a plain "
+                       "target step), e.g. 1,4,8,16")
+    if self.costs and (len(self.costs) != len(b) or min(self.costs) <= 0):
+      raise ValueError(f"auto.costs={self.costs}: give one positive cost per budget {b}, or "
+                       "none to measure them on this device")
+    if not 0 <= self.decay < 1:
+      raise ValueError(f"auto.decay={self.decay} must be in [0, 1)")
+    if self.explore_every < 1:
+      raise ValueError(f"auto.explore_every={self.explore_every} must be >= 1")
+    if self.explore_overhead <= 0:
+      raise ValueError(f"auto.explore_overhead={self.explore_overhead} must be > 0")
+
+  @property
+  def explore_interval(self) -> int:
+    """Iterations between looks at the drafter while plain steps win (static)."""
+    drafting = [c for n, c in zip(self.budgets, self.costs) if n > 1]
+    if self.budgets[0] > 1 or not drafting:
+      return self.explore_every
+    extra = drafting[0] / self.costs[0] - 1.0       # a look's cost beyond the plain step's
+    return max(self.explore_every, math.ceil(extra / self.explore_overhead))
+
+
+@struct.dataclass
+class Controller:
+  mass: jax.Array       # [B, A] running mean of m_b(n) per budget
+  observed: jax.Array   # [B] running mean of accepted drafts, iterations that drafted
+  predicted: jax.Array  # [B] running mean of m_b(n) of the budget verified then
+  seen: jax.Array       # [B] a drafting iteration has been observed
+
+
+def init(batch: int, arms: int) -> Controller:
+  z = jnp.zeros((batch,))
+  return Controller(mass=jnp.zeros((batch, arms)), observed=z, predicted=z,
+                    seen=jnp.zeros((batch,), bool))
+
+
+def expected_tokens(ctrl: Controller):
+  """E[tokens_b | n] [B, A]: accepted drafts predicted and calibrated, plus the bonus token."""
+  calibration = jnp.where(ctrl.predicted > 0, ctrl.observed / jnp.maximum(ctrl.predicted, 1e-9),
+                          1.0)
+  return 1.0 + calibration[:, None] * ctrl.mass
+
+
+def choose(ctrl: Controller, cfg: Settings, active, step):
+  """The budget index [] for this iteration; active [B] sequences still decoding."""
+  budgets = jnp.asarray(cfg.budgets)
+  rate = jnp.sum(jnp.where(active[:, None], expected_tokens(ctrl), 0.0), axis=0)
+  arm = jnp.argmax(rate / jnp.asarray(cfg.costs, jnp.float32)).astype(jnp.int32)
+  drafting = jnp.argmax(budgets > 1).astype(jnp.int32)     # the smallest drafting budget
+  explore = (budgets[arm] == 1) & (step % cfg.explore_interval == 0) & (budgets[-1] > 1)
+  return jnp.where(explore, drafting, arm)
+
+
+def masses(cfg: Settings, valid, path_logp):
+  """m_b(n) [B, A] from a best-first tree: valid [B, V], path_logp [B, V] the cumulative log
+  probability of each node's path (the root, node 0, is not a draft)."""
+  v = valid.shape[1]
+  node = jnp.arange(v)[None]
+  p = jnp.where(valid & (node > 0), jnp.exp(path_logp), 0.0)               # [B, V]
+  within = node[:, None, :] < jnp.asarray(cfg.budgets)[None, :, None]      # [1, A, V]
+  return jnp.sum(jnp.where(within, p[:, None, :], 0.0), axis=-1)
+
+
+def update(ctrl: Controller, cfg: Settings, arm, active, mass, accepted) -> Controller:
+  """After an iteration at budget index `arm` []: mass [B, A] this iteration's m_b(n) (ignored
+  unless it drafted), accepted [B] drafts accepted. A sequence's first draft sets its means."""
+  drafted = active & (jnp.asarray(cfg.budgets)[arm] > 1)
+  a = jnp.where(ctrl.seen, cfg.decay, 0.0)
+
+  def mean(old, new):
+    a_ = a.reshape(a.shape + (1,) * (new.ndim - 1))
+    keep = drafted.reshape(a_.shape)
+    return jnp.where(keep, a_ * old + (1 - a_) * new, old)
+
+  return Controller(mass=mean(ctrl.mass, mass),
+                    observed=mean(ctrl.observed, accepted.astype(jnp.float32)),
+                    predicted=mean(ctrl.predicted, mass[:, arm]),
+                    seen=ctrl.seen | drafted)

@@ -1,0 +1,85 @@
+"""method=auto through the loop: the controller's budget is what the target verifies, plain
+target steps skip the drafter, the device's cost curve is timed once and cached, and bad
+settings end in one line. (Losslessness: tests/test_lossless.py, test_sharding.py,
+test_multiprocess.py and test_sampling.py run auto with the other methods.)"""
+
+import json
+
+import pytest
+
+from cure_jax.analysis import random_models
+from cure_jax.runtime import cost_curve
+from cure_jax.runtime.generation import Generator
+from cure_jax.tree import controller, repair
+
+ARCH = random_models.Arch()
+BUDGETS = (1, 3, 6)
+
+
+def _auto(target, drafter, costs=(), **kw):
+  cure = repair.RepairConfig(tau_margin=1e9, max_depth=ARCH.block_size - 1, topk=3)
+  return Generator(target, drafter, method="auto", max_new_tokens=16, cure=cure,
+                   auto=controller.Settings(budgets=BUDGETS, costs=costs, **kw))
+
+
+@pytest.fixture(scope="module")
+def pair():
+  return random_models.pair(ARCH, 4)
+
+
+@pytest.mark.parametrize("costs, every", [((1.0, 50.0, 60.0), 4), ((50.0, 60.0, 1.0), 4)],
+                         ids=["plain_steps_pay", "whole_tree_pays"])
+def test_the_chosen_budget_is_what_the_target_verifies(pair, costs, every):
+  target, drafter = pair
+  batch = random_models.prompts(4, ARCH.vocab, 2)
+  gen = _auto(target, drafter, costs, explore_every=every, explore_overhead=100.0)
+  for r in gen.generate(batch):
+    for step, s in enumerate(r.stats):
+      cheap = BUDGETS[costs.index(min(costs))]
+      explores = cheap == 1 and step % every == 0   # a plain step turned into the smallest draft
+      assert s["budget"] == (BUDGETS[1] if explores else cheap), (step, r.stats)
+      assert s["nodes_verified"] <= s["budget"]
+      if s["budget"] == 1:                          # a plain target step: one token, no tree
+        assert s["nodes_verified"] == 1 and s["accept_lengths"] == 1
+      assert s["expected"] >= 1.0
+
+
+def test_cost_curve_is_timed_once_and_cached(pair, tmp_path, monkeypatch):
+  """Costs C(n) = verify(n) + one drafter pass for n > 1, read back from the cache file."""
+  monkeypatch.setenv("CURE_JAX_CACHE", str(tmp_path))
+  target, drafter = pair
+  gen = _auto(target, drafter)
+  spec = gen.spec(64, batch=2)
+  files = list((tmp_path / "costs").glob("*.json"))
+  assert len(files) == 1
+  curve = json.loads(files[0].read_text())
+  assert curve["budgets"] == list(BUDGETS) and curve["batch"] == 2
+  assert all(t > 0 for t in curve["verify_s"]) and curve["draft_s"] > 0
+  want = [curve["verify_s"][0]] + [v + curve["draft_s"] for v in curve["verify_s"][1:]]
+  assert spec.auto.costs == pytest.approx(want)
+  # A second Generator reads the cache (a changed file proves it is read, not re-timed).
+  curve["verify_s"] = [1.0, 2.0, 3.0]
+  curve["draft_s"] = 0.5
+  files[0].write_text(json.dumps(curve))
+  assert _auto(target, drafter).spec(64, batch=2).auto.costs == (1.0, 2.5, 3.5)
+  # Another batch size is another curve.
+  _auto(target, drafter).spec(64, batch=3)
+  assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+  assert cost_curve.REPEATS >= 3
+
+
+def test_config_errors_name_the_field():
+  from cure_jax.runtime import pipeline
+  from configs import smollm2_135m
+  config = smollm2_135m.get_config()
+  config.auto.budgets = "1,4,x"
+  with pytest.raises(ValueError, match="auto.budgets"):
+    pipeline.auto_settings(config)
+  config.auto.budgets = "8,4"
+  with pytest.raises(ValueError, match="increasing"):
+    pipeline.auto_settings(config)
+  config.auto.budgets, config.auto.costs = "1,4", "1.0"
+  with pytest.raises(ValueError, match="one positive cost per budget"):
+    pipeline.auto_settings(config)
+  config.auto.costs = "0.03,0.05"
+  assert pipeline.auto_settings(config).costs == (0.03, 0.05)
