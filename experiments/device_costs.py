@@ -1,120 +1,226 @@
-"""Step costs on an accelerator with Qwen3-8B shapes and random bf16 weights.
+"""What a decoding step costs on the accelerator this runs on, with the real models' shapes and
+random bf16 weights (random weights make τ meaningless; costs are what this measures).
 
-Prints the verification cost curve C_v(n) (ms per target forward over n tree nodes), the DFlash
-draft cost C_d (one block, and the repair re-draft of R blocks), and the compiled-loop time per
-iteration of ar, chain and cure, then the roofline: the 8B target's bf16 weights are ~16.4 GB,
-so at the device's memory bandwidth one forward cannot take less than bytes / bandwidth.
-Random weights make tau meaningless; the per-iteration costs are what this measures.
+  python -m experiments.device_costs --output_dir=results/device_h200        # GPU / TPU
+  python -m experiments.device_costs --small --output_dir=/tmp/device_costs  # CPU check
 
-  python -m experiments.device_costs --output=results/device_costs.json          # GPU / TPU
-  python -m experiments.device_costs --small --output=/tmp/costs.json            # CPU check
+Parts (--parts, run in this order; each writes <output_dir>/<part>.json as soon as it ends; no
+part, batch, chunk or node count starts after --deadline_s seconds, so a lease's end loses
+nothing measured):
+  smoke    small random pairs (dense and MoE), float32: chain, ddtree, cure and auto give the greedy tokens of
+           target-only decoding on this device, through its attention kernels
+  curve    the goodput controller's cost curve C(B, n) (runtime/cost_curve.py) of Qwen3-8B +
+           DFlash-b16 at each --batches: one drafter pass and the target over each budget
+  prefill  a --prompt_len prefill of Qwen3-8B + DFlash at each --chunks (prefill_chunk): seconds
+           and tokens/s, from which the platform's default chunk is chosen
+  moe      Qwen3-Coder-30B-A3B's C_v(n) at batch 1 (experts gathered or grouped), to set beside
+           the dense 8B's in `curve`
+  steps    C_v(n), C_d and the compiled loops' ms per iteration of ar, chain and cure (8B)
 """
 
-import dataclasses
+from __future__ import annotations
+
 import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cure_jax.runtime import errors, pipeline
-from cure_jax.tree import repair
-from cure_jax.runtime.generation import Generator
-from cure_jax.models.dflash import DFlash, DFlashConfig
-from cure_jax.models.layers import Rope
-from cure_jax.models.qwen3 import ModelConfig, Qwen3
+from cure_jax.analysis import random_models
+from cure_jax.checkpoints import dflash as convert_dflash, qwen3 as convert_qwen3
+from cure_jax.checkpoints.store import read_hf_config
 from cure_jax.costs import efficiency
+from cure_jax.runtime import cost_curve, decoding, errors, files
+from cure_jax.runtime.generation import Generator, decoding_spec
+from cure_jax.tree import controller, repair
 
-_SMALL = flags.DEFINE_bool("small", False, "a scaled-down model (for a CPU check of the script)")
-_BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", 4800.0, "device memory bandwidth, GB/s (H200: "
-                                "4800)")
-_CONTEXT = flags.DEFINE_integer("context", 512, "committed tokens before the tree")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens per loop timing")
-_OUTPUT = flags.DEFINE_string("output", "", "JSON path")
-_PROJECTION = flags.DEFINE_string("projection", "", "experiments.projection JSON: print the "
-                                  "projected ms per iteration of this device beside the measured")
+_PARTS = flags.DEFINE_list("parts", ["smoke", "curve", "prefill", "moe"],
+                           "of smoke, curve, prefill, moe, steps")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", "", "one JSON per part here")
+_DEADLINE = flags.DEFINE_float("deadline_s", 1e9, "start no new measurement after this many "
+                                "seconds")
+_SMALL = flags.DEFINE_bool("small", False, "scaled-down models (a CPU check of the script)")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8", "64"], "curve: batch sizes")
+_BUDGETS = flags.DEFINE_list("budgets", ["1", "4", "8", "16"], "curve: node budgets")
+_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "curve / steps: the static cache length")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32768, "prefill: prompt tokens")
+_CHUNKS = flags.DEFINE_list("chunks", ["512", "1024", "2048"], "prefill: chunk sizes")
+_NODES = flags.DEFINE_list("nodes", ["1", "2", "4", "8", "16", "32", "64"], "moe: tree nodes")
+_TARGET = flags.DEFINE_string("target", "configs/hf/qwen3_8b", "dense target's config.json dir")
+_DRAFTER = flags.DEFINE_string("drafter", "configs/hf/qwen3_8b_dflash_b16", "DFlash's dir")
+_MOE = flags.DEFINE_string("moe", "configs/hf/qwen3_coder_30b_a3b", "MoE target's dir")
 
-# jax device_kind prefixes -> cure_jax.costs.roofline.DEVICES keys
-_KINDS = (("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v6", "v6e"), ("TPU v5", "v5p"),
-          ("NVIDIA A100", "A100"), ("NVIDIA H100", "H100"), ("NVIDIA H200", "H200"),
-          ("NVIDIA B200", "B200"))
-
-
-def beside_projection(loops: dict, path: str) -> list[str]:
-  """Lines comparing the measured loop ms per iteration with the projection for this device
-  (batch 1, the paper's τ rows; the projection assumes its own max_len)."""
-  kind = jax.devices()[0].device_kind
-  key = next((k for prefix, k in _KINDS if kind.startswith(prefix)), None)
-  rows = json.loads(open(path).read())["rows"]
-  mine = [r for r in rows if r["device"].split(" ")[0] == key and r["batch"] == 1
-          and r["tau_from"] == "paper"]
-  if not mine:
-    return [f"no projection rows for device {kind!r} (key {key}) in {path}"]
-  out = []
-  for method, loop in loops.items():
-    proj = [r for r in mine if r["method"] == method]
-    if proj:
-      r = max(proj, key=lambda r: r["v_max"])
-      out.append(f"{method}: measured {loop['ms_per_iteration']:.2f} ms / iteration, projected "
-                 f"{r['iteration_ms']:.2f} ms (v_max {r['v_max']}, roofline of the AOT count)")
-  return out
-
-QWEN3_8B = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e-6,
-                       Rope(128, 1_000_000.0), False)
-DFLASH_8B = DFlashConfig(4096, 12288, 5, 32, 8, 128, 1e-6, Rope(128, 1_000_000.0), 16, 151669,
-                         (1, 9, 17, 25, 33), 36)
+# what --small keeps of a config.json: a model that compiles and runs in seconds on a CPU
+_SMALL_SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                    num_target_layers=4, block_size=16)
 
 
-def _configs():
+def _config(path: str) -> dict:
+  config = read_hf_config(path)
   if not _SMALL.value:
-    return QWEN3_8B, DFLASH_8B
-  target = dataclasses.replace(QWEN3_8B, vocab_size=4096, hidden_size=256, intermediate_size=512,
-                               num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
-                               rope=Rope(64, 1e6))
-  drafter = dataclasses.replace(DFLASH_8B, hidden_size=256, intermediate_size=512, num_layers=1,
-                                num_heads=4, num_kv_heads=2, head_dim=64, rope=Rope(64, 1e6),
-                                mask_token_id=4095, target_layer_ids=(1, 2), num_target_layers=4)
+    return config
+  config = {**config, **{k: v for k, v in _SMALL_SIZES.items() if k in config}}
+  if "dflash_config" in config:
+    config["num_hidden_layers"] = 1
+    config["dflash_config"] = dict(config["dflash_config"], mask_token_id=4095,
+                                   target_layer_ids=[1, 2])
+  return config
+
+
+def _dtype():
+  """bf16 as on accelerators; float32 for --small (the CPU backend has no bf16 dot thunks)."""
+  return jnp.float32 if _SMALL.value else jnp.bfloat16
+
+
+def _pair():
+  """Qwen3-8B and its DFlash drafter with random weights, built on the default device."""
+  dtype = _dtype()
+  target = convert_qwen3.FAMILY.build(_config(_TARGET.value), dtype)
+  drafter = convert_dflash.FAMILY.build(_config(_DRAFTER.value), dtype)
   return target, drafter
 
 
-def _loop_ms_per_iteration(target, drafter, method, prompt_len):
-  cure = repair.RepairConfig(tau_margin=1e9, max_depth=drafter.cfg.block_size - 1, v_max=64)
-  gen = Generator(target, drafter, method=method, max_new_tokens=_MAX_NEW.value,
-                  cure=cure if method == "cure" else None)
-  prompt = list(range(10, 10 + prompt_len))
-  gen.generate([prompt])  # compile + warm-up
-  r = gen.generate([prompt])[0]
-  return 1000.0 * r.decode_s / max(r.iterations, 1), sum(gen.compile_s.values())
+def _ints(values) -> tuple[int, ...]:
+  return tuple(int(v) for v in values)
+
+
+_START = time.perf_counter()
+
+
+def _in_time(what: str) -> bool:
+  """False (and says so) once --deadline_s has passed: `what` is not started."""
+  if time.perf_counter() - _START <= _DEADLINE.value:
+    return True
+  print(f"{what}: skipped (past --deadline_s={_DEADLINE.value:.0f})")
+  return False
+
+
+def smoke() -> dict:
+  """Greedy tokens of every method against target-only decoding, on small random pairs."""
+  out = {}
+  for name, arch in (("dense", random_models.Arch(vocab=64, hidden=64, head_dim=16)),
+                     ("moe", random_models.Arch(vocab=64, hidden=64, head_dim=16, experts=8))):
+    for seed in range(1):  # losslessness at scale is the CPU suite's; this checks the device
+      target, drafter = random_models.pair(arch, seed)
+      prompts = random_models.prompts(seed, arch.vocab, 4)
+      want = [r.output_ids for r in Generator(target, method="ar",
+                                              max_new_tokens=24).generate(prompts)]
+      for method in ("chain", "ddtree", "cure", "auto"):
+        got = [r.output_ids for r in Generator(target, drafter, method=method,
+                                           max_new_tokens=24).generate(prompts)]
+        key = f"{name} seed {seed} {method}"
+        out[key] = sum(g != w for g, w in zip(got, want))
+        print(f"smoke {key}: {out[key]} of {len(prompts)} prompts differ from target-only")
+  return dict(differ=out, all_equal=not any(out.values()))
+
+
+def curve() -> dict:
+  """cost_curve.time_budgets at each batch: the seconds auto's controller would use here."""
+  target, drafter = _pair()
+  auto = controller.Settings(budgets=_ints(_BUDGETS.value))
+  gen = Generator(target, drafter, method="auto", max_new_tokens=64, auto=auto)
+  spec = decoding_spec("auto", drafter, 64, _MAX_LEN.value, block_size=gen.block_size,
+                       cure=gen.cure, auto=auto)
+  rows = []
+  for batch in filter(lambda b: _in_time(f"curve batch {b}"), _ints(_BATCHES.value)):
+    t0 = time.perf_counter()
+    row = cost_curve.time_budgets(gen.graphdef, gen.params, spec, batch)
+    row.update(batch=batch, budgets=list(auto.budgets), wall_s=time.perf_counter() - t0)
+    print(f"curve batch {batch}: draft {1e3 * row['draft_s']:.2f} ms, verify " +
+          ", ".join(f"n={n} {1e3 * s:.2f}" for n, s in zip(auto.budgets, row["verify_s"])) +
+          f" ms ({row['wall_s']:.0f} s with compiles)")
+    rows.append(row)
+  return dict(max_len=_MAX_LEN.value, rows=rows)
+
+
+def prefill() -> dict:
+  """One prompt of --prompt_len tokens through chain's compiled prefill at each chunk size."""
+  target, drafter = _pair()
+  p = _PROMPT_LEN.value
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (1, p)), jnp.int32)
+  rows = []
+  for chunk in filter(lambda c: _in_time(f"prefill chunk {c}"), _ints(_CHUNKS.value)):
+    gen = Generator(target, drafter, method="chain", max_new_tokens=8, prefill_chunk=chunk)
+    spec = gen.spec(gen.cache_len(p))
+    t0 = time.perf_counter()
+    plen, key = jnp.array([p], jnp.int32), jax.random.key(0)
+    fn = decoding.prefill.lower(gen.graphdef, gen.params, prompt, plen, key, spec=spec).compile()
+    compile_s = time.perf_counter() - t0
+    runs = []
+    for _ in range(3):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(gen.params, prompt, plen, key).anchor)
+      runs.append(time.perf_counter() - t0)
+    best = min(runs[1:])
+    rows.append(dict(chunk=chunk, seconds=best, tokens_per_s=p / best, compile_s=compile_s,
+                     runs_s=runs))
+    print(f"prefill {p} tokens, chunk {chunk}: {best:.3f} s ({p / best:,.0f} tokens/s; "
+          f"compile {compile_s:.0f} s)")
+  return dict(prompt_len=p, rows=rows,
+              fastest=min(rows, key=lambda r: r["seconds"])["chunk"] if rows else None)
+
+
+def moe() -> dict:
+  """C_v(n) of the MoE target at batch 1 (ms per target forward over n chain nodes)."""
+  target = convert_qwen3.FAMILY.build(_config(_MOE.value), _dtype())
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(target)))
+  verify = {}
+  for n in filter(lambda n: _in_time(f"moe C_v({n})"), _ints(_NODES.value)):
+    verify.update(efficiency.verify_cost(target, (n,), context=512))
+    print(f"moe C_v({n}) = {verify[n]:.2f} ms")
+  return dict(target_bytes=nbytes, verify_ms=verify)
+
+
+def steps() -> dict:
+  """The older measurement: C_v, C_d and loop ms per iteration (batch 1, prompt 64)."""
+  target, drafter = _pair()
+  costs = efficiency.measure(target, drafter, context=512, num_paths=5,
+                             feature_layers=drafter.cfg.feature_layers)
+  loops = {}
+  for method in ("ar", "chain", "cure"):
+    cure = repair.RepairConfig(tau_margin=1e9, max_depth=drafter.cfg.block_size - 1, v_max=64)
+    gen = Generator(target, drafter, method=method, max_new_tokens=64,
+                    cure=cure if method == "cure" else None)
+    prompt = list(range(10, 74))
+    gen.generate([prompt])  # compile + warm-up
+    r = gen.generate([prompt])[0]
+    loops[method] = 1000.0 * r.decode_s / max(r.iterations, 1)
+    print(f"steps {method}: {loops[method]:.2f} ms per iteration")
+  return dict(costs=costs, loop_ms_per_iteration=loops)
+
+
+RUNS = dict(smoke=smoke, curve=curve, prefill=prefill, moe=moe, steps=steps)
 
 
 def main(argv):
   del argv
-  tcfg, dcfg = _configs()
-  t0 = time.perf_counter()
-  target = Qwen3(tcfg, jnp.bfloat16, rngs=nnx.Rngs(0))
-  drafter = DFlash(dcfg, jnp.bfloat16, rngs=nnx.Rngs(1))
-  init_s = time.perf_counter() - t0
-  n_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(target)))
-  costs = efficiency.measure(target, drafter, context=_CONTEXT.value, num_paths=5,
-                             feature_layers=dcfg.feature_layers)
-  loops = {}
-  for method in ("ar", "chain", "cure"):
-    ms, compile_s = _loop_ms_per_iteration(target, drafter, method, 64)
-    loops[method] = dict(ms_per_iteration=ms, compile_s=compile_s)
-  floor_ms = n_bytes / (_BANDWIDTH.value * 1e9) * 1e3
-  result = dict(target_bytes=n_bytes, init_s=init_s,
-                roofline_ms_per_forward=floor_ms, bandwidth_gbs=_BANDWIDTH.value, **costs,
-                loop=loops)
-  print(json.dumps(result, indent=1, default=str))
-  print(f"C_v(1) = {costs['verify_ms'][1]:.2f} ms vs roofline {floor_ms:.2f} ms "
-        f"({floor_ms / costs['verify_ms'][1]:.0%} of peak bandwidth); "
-        f"C_v(64)/C_v(1) = {costs['verify_ms'][64] / costs['verify_ms'][1]:.2f}")
-  if _PROJECTION.value:
-    print("\n".join(beside_projection(loops, _PROJECTION.value)))
-  if _OUTPUT.value:
-    pipeline.write_json(_OUTPUT.value, json.loads(json.dumps(result, default=str)))
+  unknown = set(_PARTS.value) - set(RUNS)
+  if unknown:
+    raise ValueError(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(RUNS)}")
+  if not _OUTPUT_DIR.value:
+    raise ValueError("--output_dir is required (one JSON per part is written there)")
+  device = dict(device_kind=jax.devices()[0].device_kind, backend=jax.default_backend(),
+                jax=jax.__version__, small=_SMALL.value)
+  print(json.dumps(device))
+  for part in _PARTS.value:
+    if not _in_time(part):
+      continue
+    t0 = time.perf_counter()
+    try:
+      result = dict(device, ok=True, **RUNS[part]())
+    except Exception as e:  # one part's failure must not cost the others' device time
+      result = dict(device, ok=False, error=f"{type(e).__name__}: {e}"[:4000])
+      print(f"{part}: FAILED {result['error']}")
+    result["part_s"] = time.perf_counter() - t0
+    files.write_json(str(Path(_OUTPUT_DIR.value) / f"{part}.json"),
+                     json.loads(json.dumps(result, default=str)))
+    print(f"{part}: {result['part_s']:.0f} s, written")
 
 
 if __name__ == "__main__":
