@@ -41,6 +41,9 @@ _AUTO_BATCHES = flags.DEFINE_list("auto_batches", [], "batch sizes at which to p
 _AUTO_BUDGETS = flags.DEFINE_list("auto_budgets", ["1", "4", "8", "16"], "auto's node budgets")
 _AUTO_TAU = flags.DEFINE_list("auto_tau", [str(PAPER_TAU["chain"])], "τ of a whole 16-token "
                               "block at which to project auto (default: the paper's chain τ)")
+_AUTO_MEASURED = flags.DEFINE_list("auto_measured", [], "experiments.device_costs curve.json "
+                                   "files: auto on cost curves timed on a device, beside the "
+                                   "projection (a later file's batch replaces an earlier one's)")
 _ALSO = flags.DEFINE_list("also_as", [], "TPU generations without a compile of their own (e.g. "
                           "v6e,v5p) priced with the per-chip counts of the --tpu files (rows "
                           "marked 'counts of <topology>')")
@@ -75,8 +78,9 @@ def parse_tau(text: str) -> dict[str, float]:
 def auto_projection(gpu_data: list[dict]) -> list[dict]:
   """method=auto's budget and tokens/s per batch size on each GPU, on the cost curve of the
   compiled ar and chain programs (cure_jax/costs/curve.py), at the paper's chain τ."""
+  rows = measured_auto()
   if not _AUTO_BATCHES.value:
-    return []
+    return rows
   records = {k: r for data in gpu_data for k, r in decode_records(data).items()}
   pairs = {m: sorted((r for (mm, v, _), r in records.items() if mm == m and not v),
                      key=lambda r: r["batch"])[:2] for m in ("ar", "chain")}
@@ -84,10 +88,25 @@ def auto_projection(gpu_data: list[dict]) -> list[dict]:
     raise app.UsageError("--auto_batches needs --gpu files holding ar and chain decode programs at "
                          "two batch sizes (e.g. results/aot_gpu/h100_b1.json,h100_b8.json)")
   budgets = [int(b) for b in _AUTO_BUDGETS.value]
-  return [row for tau in _AUTO_TAU.value for device in ("H100", "H200")
-          for row in curve.auto_rows(tuple(pairs["ar"]), tuple(pairs["chain"]), device,
-                                     [int(b) for b in _AUTO_BATCHES.value], budgets, float(tau),
-                                     16, _LAUNCH_US.value)]
+  return rows + [row for tau in _AUTO_TAU.value for device in ("H100", "H200")
+                 for row in curve.auto_rows(tuple(pairs["ar"]), tuple(pairs["chain"]), device,
+                                            [int(b) for b in _AUTO_BATCHES.value], budgets,
+                                            float(tau), 16, _LAUNCH_US.value)]
+
+
+def measured_auto() -> list[dict]:
+  """auto's pick on the --auto_measured curves, at each --auto_tau."""
+  if not _AUTO_MEASURED.value:
+    return []
+  latest, kind = {}, None
+  for path in _AUTO_MEASURED.value:
+    data = json.loads(open(path).read())
+    kind = data["device_kind"]
+    latest.update({r["batch"]: r for r in data["rows"]})
+  ms = curve.measured_ms(list(latest.values()))
+  return [row for tau in _AUTO_TAU.value
+          for row in curve.choose(ms, f"{kind} (measured)", sorted(latest),
+                                  [int(b) for b in _AUTO_BUDGETS.value], float(tau), 16)]
 
 
 def auto_markdown(rows: list[dict]) -> str:
@@ -98,7 +117,8 @@ def auto_markdown(rows: list[dict]) -> str:
             f"{r['auto_tokens_per_s']:.0f}",
             report.num(r["auto_vs_ar"], ".2f", "x")] +
            [f"{o['tokens_per_s']:.0f}" for o in r["options"]] for r in rows]
-  return ("\n## method=auto on the compiled programs' cost curve (projection)\n\n" +
+  return ("\n## method=auto on the cost curve: projected from the compiled programs' counts, or "
+          "timed on a device ('(measured)' rows, experiments.device_costs)\n\n" +
           report.md_table(["device", "block τ", "batch", "auto picks", "auto tokens/s", "vs ar"] +
                           [f"budget {n} tokens/s" for n in budgets], table) +
           f"\n\nBudget 1 is a plain target step (the ar program); budget n > 1 verifies the first n "
@@ -109,7 +129,7 @@ def auto_markdown(rows: list[dict]) -> str:
 
 def main(argv):
   del argv
-  if not _TPU.value and not _CPU.value and not _GPU.value:
+  if not _TPU.value and not _CPU.value and not _GPU.value and not _AUTO_MEASURED.value:
     raise app.UsageError("give --tpu=FILE.json (TPU compiles), --gpu=FILE.json (GPU compiles) "
                          "and/or --cpu=FILE.json (CPU float32)")
   taus = {"paper": PAPER_TAU}
@@ -138,7 +158,7 @@ def main(argv):
     rows += project(decode_records(data), GPUS, 0.5, taus)
   auto = auto_projection([json.loads(open(p).read()) for p in _GPU.value])
   pipeline.write_json(_OUTPUT.value + ".json", dict(devices=DEVICES, rows=rows, auto=auto))
-  text = markdown(rows) + auto_markdown(auto)
+  text = (markdown(rows) if rows else "") + auto_markdown(auto)
   report.write_text(_OUTPUT.value + ".md", text)
   print(text)
 

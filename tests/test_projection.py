@@ -1,5 +1,6 @@
 """The roofline projection from compiled counts (cure_jax/costs/roofline.py, projection.py)."""
 
+import numpy as np
 import pytest
 
 from cure_jax.costs import roofline
@@ -88,3 +89,39 @@ def test_auto_projection_picks_the_budget_with_the_most_tokens_per_second():
     assert got == pytest.approx(want)
     assert row["auto_budget"] == max(want, key=want.get)
     assert row["auto_vs_ar"] == pytest.approx(want[row["auto_budget"]] / want[1])
+
+
+def test_auto_on_a_measured_curve_adds_the_draft_pass_to_every_drafting_budget(tmp_path):
+  """Hand-computed on a curve as experiments.device_costs writes it: budget 1 costs the plain
+  step alone, budget n the drafter pass plus the target over n nodes; a later file's batch
+  replaces an earlier one's."""
+  import json
+  from absl import flags
+  from absl.testing import flagsaver
+  from experiments import projection
+  rows = [dict(batch=1, budgets=[1, 2, 4], draft_s=0.002, verify_s=[0.010, 0.009, 0.011]),
+          dict(batch=8, budgets=[1, 2, 4], draft_s=0.004, verify_s=[0.010, 0.020, 0.040])]
+  old = tmp_path / "old.json"
+  old.write_text(json.dumps(dict(device_kind="GPU X", rows=[dict(rows[0], draft_s=1.0)])))
+  new = tmp_path / "new.json"
+  new.write_text(json.dumps(dict(device_kind="GPU X", rows=rows)))
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  with flagsaver.flagsaver(auto_measured=[str(old), str(new)], auto_budgets=["1", "2", "4"],
+                           auto_tau=["1.875"]):
+    got = projection.measured_auto()
+  # the flags' τ is a 16-token block's: α is the positive root of Σ_{d<16} α^d = 1.875
+  roots = np.roots([1.0] * 15 + [1.0 - 1.875])
+  a = float(next(r.real for r in roots if abs(r.imag) < 1e-12 and r.real > 0))
+  tau = {1: 1.0, 2: 1 + a, 4: 1 + a + a ** 2 + a ** 3}
+  b1 = {1: tau[1] / 10, 2: tau[2] / 11, 4: tau[4] / 13}            # tokens per ms, batch 1
+  b8 = {1: 8 / 10, 2: 8 * tau[2] / 24, 4: 8 * tau[4] / 44}          # batch 8: plain steps win
+  for row, want in zip(got, (b1, b8)):
+    assert row["device"] == "GPU X (measured)"
+    assert {o["budget"]: o["tokens_per_s"] for o in row["options"]} == pytest.approx(
+        {n: 1000 * v for n, v in want.items()})
+    assert row["auto_budget"] == max(want, key=want.get)
+  assert [r["auto_budget"] for r in got] == [4, 1]
+  with pytest.raises(ValueError, match="no batch 1 budget 16"):
+    from cure_jax.costs import curve
+    curve.measured_ms(rows)(1, 16)

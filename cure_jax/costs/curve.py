@@ -48,14 +48,35 @@ def auto_rows(ar: tuple[dict, dict], chain: tuple[dict, dict], device: str, batc
               budgets, block_tau: float, block_size: int,
               launch_us: float = roofline.LAUNCH_US) -> list[dict]:
   """Per batch size: every budget's projected tokens/s, and the one the controller picks."""
+  def ms(batch, n):
+    return iteration_ms(ar if n == 1 else chain, device, batch, n, block_size, launch_us)
+  return choose(ms, device, batches, budgets, block_tau, block_size)
+
+
+def measured_ms(curve_rows: list[dict]):
+  """ms(batch, n) from cost curves timed on a device (experiments.device_costs' `curve` rows:
+  one drafter pass plus the target over n nodes, seconds; a plain step has no drafter pass)."""
+  table = {(r["batch"], n): 1000 * (v + (r["draft_s"] if n > 1 else 0.0))
+           for r in curve_rows for n, v in zip(r["budgets"], r["verify_s"])}
+
+  def ms(batch, n):
+    if (batch, n) not in table:
+      raise ValueError(f"the measured curves have no batch {batch} budget {n}; they hold "
+                       f"{sorted(table)}")
+    return table[(batch, n)]
+  return ms
+
+
+def choose(ms, device: str, batches, budgets, block_tau: float, block_size: int) -> list[dict]:
+  """Per batch size: each budget's tokens/s from ms(batch, n), and the one the controller
+  picks (the most expected tokens per second, τ(n) from the block's τ)."""
   rows = []
   for batch in batches:
     options = []
     for n in budgets:
-      ms = iteration_ms(ar if n == 1 else chain, device, batch, n, block_size, launch_us)
       tau = prefix_tau(block_tau, block_size, n)
-      options.append(dict(budget=n, tau=tau, iteration_ms=ms,
-                          tokens_per_s=1000 * batch * tau / ms))
+      options.append(dict(budget=n, tau=tau, iteration_ms=ms(batch, n),
+                          tokens_per_s=1000 * batch * tau / ms(batch, n)))
     best = max(options, key=lambda o: o["tokens_per_s"])
     ar_tps = options[0]["tokens_per_s"] if budgets[0] == 1 else None
     rows.append(dict(device=device, batch=batch, block_tau=block_tau, options=options,
