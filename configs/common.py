@@ -36,7 +36,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.ignore_eos = False         # True: decode exactly max_new_tokens
   config.max_len = 0                # static cache length; 0: prompt + max_new_tokens. Set, one
                                     # compiled prefill serves every prompt up to it
-  config.prefill_chunk = 512        # prompt tokens per prefill step (memory ~ chunk x max_len)
+  config.prefill_chunk = 0          # prompt tokens per prefill step (memory ~ chunk x max_len);
+                                    # 0: the platform's measured default (GPU 2048, TPU/CPU 512)
   config.batch_size = 1
   config.mesh = ml_collections.ConfigDict(dict(
       data=1,                       # batch split over this many devices

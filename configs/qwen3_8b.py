@@ -20,7 +20,6 @@ def get_config():
   config.drafter.path = "z-lab/Qwen3-8B-DFlash-b16"  # Hub id, DFlash directory or converted
   config.dtype = "bfloat16"
   config.max_new_tokens = 512
-  config.prefill_chunk = 2048    # an accelerator reads the weights once per chunk: bigger pays
   config.cure.tau_margin = 1.0
   config.cure.margin_scale = 2.0
   config.cure.select = "margin"                      # the paper's rule

@@ -49,7 +49,7 @@ from cure_jax.checkpoints.store import read_hf_config
 from cure_jax import methods
 from cure_jax.runtime import decoding, errors, pipeline, sharding
 from cure_jax.models.cache import KVCache
-from cure_jax.runtime.generation import decoding_spec
+from cure_jax.runtime.generation import decoding_spec, platform_prefill_chunk
 from cure_jax.costs import gpu_targets, hlo_traffic, launches
 from cure_jax.analysis import compiled_report, report
 
@@ -407,6 +407,8 @@ def main(argv):
   options = pipeline.compiler_options(_OPTIONS.value)
   dump = gpu_setup(topology)
   devices = topology_devices(topology)
+  with config.unlocked():   # 0: the compiled-for platform's default, not this host's
+    config.prefill_chunk = platform_prefill_chunk(int(config.prefill_chunk), devices[0].platform)
   mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)
   needs_drafter = any(m != "ar" for m in names)
   target, drafter = abstract_pair(target_dir, drafter_dir if needs_drafter else None, dtype)

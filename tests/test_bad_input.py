@@ -43,12 +43,22 @@ def test_long_prompt_settings(pair):
   """prefill_chunk, drafter.window and a rope scaling the cache cannot follow."""
   from cure_jax.models.layers import rope_from_hf
   target, drafter = pair
-  with pytest.raises(ValueError, match="prefill_chunk=0 must be >= 1"):
-    Generator(target, method="ar", max_new_tokens=4, prefill_chunk=0)
+  with pytest.raises(ValueError, match="prefill_chunk=-1 must be >= 1 .* or 0 for the platform"):
+    Generator(target, method="ar", max_new_tokens=4, prefill_chunk=-1)
   with pytest.raises(ValueError, match="drafter.window=-1 must be >= 0"):
     Generator(target, drafter, method="chain", max_new_tokens=4, drafter_window=-1)
   with pytest.raises(ValueError, match="rope type 'dynamic' is not supported .*yarn"):
     rope_from_hf({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 8)
+
+
+def test_prefill_chunk_zero_takes_the_platform_default(pair):
+  """0 resolves per platform (GPU 2048, TPU and CPU 512; jax names GPUs 'cuda' or 'rocm'); a
+  chunk given is kept."""
+  from cure_jax.runtime.generation import platform_prefill_chunk
+  assert [platform_prefill_chunk(0, p) for p in ("cuda", "rocm", "gpu", "tpu", "cpu")] == [
+      2048, 2048, 2048, 512, 512]
+  assert platform_prefill_chunk(300, "cuda") == 300
+  assert Generator(pair[0], method="ar", max_new_tokens=4).prefill_chunk == 512   # this CPU
 
 
 def test_unknown_compiler_options(pair):

@@ -17,7 +17,12 @@ from cure_jax.tree import controller, repair
 from cure_jax.tree.sampling import Sampling
 
 PROMPT_BUCKET = 32
-PREFILL_CHUNK = Spec.prefill_chunk   # prompt tokens per prefill step; configs/ may change it
+PREFILL_CHUNK = Spec.prefill_chunk   # prompt tokens per prefill step on other platforms
+# Prompt tokens per prefill step by platform, for a chunk of 0 (measured, WORKSPACE 2026-12-04):
+# an H200 prefilled 32,768 tokens of Qwen3-8B + DFlash in 2.04 / 1.94 / 1.89 s in chunks of
+# 512 / 1024 / 2048; on a v5e 2x2 (model=4) chunks of 2048 move 2.13 TB per chip against 0.34 TB
+# in chunks of 512, the most rows the TPU kernel takes; on a CPU memory grows with chunk x max_len.
+PREFILL_CHUNKS = {"gpu": 2048, "tpu": 512, "cpu": 512}
 _EXECUTABLES: dict[tuple, tuple] = {}  # (graphdef, Spec, batch, bucket, mesh) -> (prefill, decode)
 
 
@@ -40,6 +45,16 @@ class Result:
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+def platform_prefill_chunk(chunk: int, platform: str) -> int:
+  """`chunk`, or for 0 the measured default of `platform` (a jax platform name)."""
+  if chunk < 0:
+    raise ValueError(f"prefill_chunk={chunk} must be >= 1 (prompt tokens per prefill step), or "
+                     "0 for the platform's default")
+  if chunk:
+    return chunk
+  return PREFILL_CHUNKS.get("gpu" if platform in ("cuda", "rocm") else platform, PREFILL_CHUNK)
 
 
 def prompt_bucket(length: int) -> int:
@@ -77,14 +92,13 @@ class Generator:
                stop_ids=(), block_size: int | None = None, cure: repair.RepairConfig | None = None,
                max_len: int | None = None, mesh=None, sampling: Sampling = Sampling(),
                seed: int = 0, compiler_options: dict[str, str] | None = None,
-               prefill_chunk: int = PREFILL_CHUNK, drafter_window: int = 0,
+               prefill_chunk: int = 0, drafter_window: int = 0,
                auto: controller.Settings | None = None):
     impl = methods.get(method)
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if prefill_chunk < 1:
-      raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1 (prompt tokens per prefill "
-                       "step; 512 is the default)")
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    prefill_chunk = platform_prefill_chunk(prefill_chunk, platform)
     if drafter_window < 0:
       raise ValueError(f"drafter.window={drafter_window} must be >= 0 (context positions the "
                        "DFlash drafter sees; 0 = all)")
