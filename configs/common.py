@@ -61,9 +61,10 @@ def base_config() -> ml_collections.ConfigDict:
       topk=4,                       # ddtree: top-k per depth; hybrid: sibling leaves per node
       # Online budget (cure, hybrid): repair only while (τ0 + gain) / (C_d + C_r + C_v(v_max))
       # beats τ0 / (C_d + C_v(K)), from running means kept in the loop; C_v(n) = base + per_node
-      # * n. Costs in any one unit (ms); `experiments.benchmark --table=trees` measures them.
-      online=False, cost_draft=1.0, cost_redraft=1.0, cost_verify_base=1.0,
-      cost_verify_per_node=0.0, online_decay=0.8, explore_every=8))
+      # * n. Costs in any one unit (ms); all four 0: timed on this device at start-up and cached
+      # (cure_jax/runtime/cost_curve.py), so an MoE target's steeper C_v(n) is what it sees.
+      online=False, online_decay=0.8, explore_every=8,
+      cost_draft=0.0, cost_redraft=0.0, cost_verify_base=0.0, cost_verify_per_node=0.0))
   # method=auto: each iteration a goodput controller picks one of these node budgets (1 = a
   # plain target step) for the batch, by expected tokens per second (cure_jax/tree/controller.py).
   # costs: seconds per budget; "" = timed on this device at start-up and cached.

@@ -62,3 +62,30 @@ def test_in_the_loop_the_tree_runs_only_when_it_pays():
     # A free tree with a positive prior gain runs like plain cure (same trees, same tokens).
     assert r.output_ids == p.output_ids
     assert [s["nodes_verified"] for s in r.stats] == [s["nodes_verified"] for s in p.stats]
+
+
+def test_unset_online_costs_are_timed_on_the_device_and_cached(tmp_path, monkeypatch):
+  """All four costs 0: the Spec carries C_d, C_r and the line through the measured C_v(K) and
+  C_v(v_max), read back from the cache file (a changed file proves it is read); decoding with
+  them is still target-only decoding."""
+  import json
+  monkeypatch.setenv("CURE_JAX_CACHE", str(tmp_path))
+  target, drafter = random_models.pair(ARCH, 2)
+  k = ARCH.block_size
+  cure = repair.RepairConfig(tau_margin=1e9, v_max=24, max_depth=k - 1, online=True,
+                             cost_draft=0.0, cost_redraft=0.0, cost_verify_base=0.0,
+                             cost_verify_per_node=0.0)
+  gen = Generator(target, drafter, method="cure", max_new_tokens=16, cure=cure)
+  spec = gen.spec(64, batch=2)
+  (path,) = (tmp_path / "costs").glob("online-*.json")
+  got = json.loads(path.read_text())
+  assert got["nodes"] == [k, 24] and got["batch"] == 2
+  assert min(got["verify_s"]) > 0 and got["draft_repair_s"] > 0 and got["draft_s"] > 0
+  path.write_text(json.dumps(dict(got, draft_s=2.0, draft_repair_s=5.0, verify_s=[4.0, 13.0])))
+  spec = Generator(target, drafter, method="cure", max_new_tokens=16, cure=cure).spec(64, 2)
+  slope = (13.0 - 4.0) / (24 - k)
+  assert spec.cure.costs == (2.0, 3.0, 4.0 - slope * k, slope)
+  prompts = random_models.prompts(2, ARCH.vocab, 2)
+  want = [r.output_ids for r in Generator(target, method="ar", max_new_tokens=16).generate(prompts)]
+  assert [r.output_ids for r in gen.generate(prompts)] == want
+  assert spec.cure.costs != gen.spec(64, 1).cure.costs   # batch 1 is timed on its own

@@ -1,8 +1,10 @@
-"""The device's cost curve C(B, n) for the goodput controller, timed on the running device.
+"""The device's costs, timed on the running device: the goodput controller's curve C(B, n) and
+the online budget's four terms.
 
-For each node budget n: the target's forward over the first n nodes of a tree at batch B, plus
-one drafter pass when n > 1, each timed from its own compiled program (median of a few runs
-after a warm-up). The loop's attention reads the whole static cache whatever the context, so
+auto: for each node budget n, the target's forward over the first n nodes of a tree at batch
+B, plus one drafter pass when n > 1. online (cure, hybrid): the drafter pass without and with
+the repair re-draft, and the target over the block and over the whole tree. Each is timed from
+its own compiled program (median of a few runs after a warm-up). The loop's attention reads the whole static cache whatever the context, so
 one short prompt stands for every length. Results are cached per device kind, model pair,
 method, batch and max_len in the project's cache (`<cure_jax cache>/costs/`), so a second run
 starts at once; delete the folder to re-measure.
@@ -31,8 +33,9 @@ REPEATS = 5
 
 def _key(graphdef, params, spec: Spec, batch: int) -> str:
   shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), params)
+  auto = spec.auto and dataclasses.replace(spec.auto, costs=())   # what is being measured
   what = repr((jax.devices()[0].device_kind, jax.default_backend(), str(graphdef), shapes,
-               dataclasses.replace(spec, auto=dataclasses.replace(spec.auto, costs=())), batch))
+               dataclasses.replace(spec, auto=auto), batch))
   return hashlib.sha1(what.encode()).hexdigest()[:16]
 
 
@@ -46,43 +49,84 @@ def _seconds(fn, *args) -> float:
   return statistics.median(runs)
 
 
-def time_budgets(graphdef, params, spec: Spec, batch: int) -> dict:
-  """Seconds of one drafter pass and of the target's pass over each budget's nodes."""
+def _start(graphdef, params, spec: Spec, batch: int):
+  """The state after an 8-token prompt (the attention reads the whole static cache anyway)."""
   prompt = jnp.ones((batch, 8), jnp.int32)
-  st = decoding.prefill(graphdef, params, prompt, jnp.full((batch,), 8, jnp.int32), spec=spec)
+  return decoding.prefill(graphdef, params, prompt, jnp.full((batch,), 8, jnp.int32), spec=spec)
 
+
+def _drafting(graphdef, spec: Spec, want: bool | None = None):
+  """A jitted drafter pass; with `want`, the online budget's choice for every row."""
   @jax.jit
   def draft(params, st):
     target, drafter = nnx.merge(graphdef, params)
-    return decoding.propose(target, drafter, spec, st)[0]
+    rows = None if want is None else jnp.full(st.anchor.shape, want)
+    return decoding.propose(target, drafter, spec, st, rows)[0]
+  return draft
 
-  def verify(n):
-    @jax.jit
-    def run(params, st, proposal):
-      target, _ = nnx.merge(graphdef, params)
-      return decoding.verify_budget(target, spec, st, proposal, n)[0].next_token
-    return run
 
+def _verifying(graphdef, spec: Spec, n: int):
+  """A jitted target pass over the first n nodes of a proposal, with its verification."""
+  @jax.jit
+  def run(params, st, proposal):
+    target, _ = nnx.merge(graphdef, params)
+    return decoding.verify_budget(target, spec, st, proposal, n)[0].next_token
+  return run
+
+
+def time_budgets(graphdef, params, spec: Spec, batch: int) -> dict:
+  """Seconds of one drafter pass and of the target's pass over each budget's nodes."""
+  st = _start(graphdef, params, spec, batch)
+  draft = _drafting(graphdef, spec)
   proposal = draft(params, st)
-  return dict(draft_s=_seconds(draft, params, st),
-              verify_s=[_seconds(verify(n), params, st, proposal) for n in spec.auto.budgets])
+  return dict(draft_s=_seconds(draft, params, st), budgets=list(spec.auto.budgets),
+              verify_s=[_seconds(_verifying(graphdef, spec, n), params, st, proposal)
+                        for n in spec.auto.budgets])
+
+
+def time_online(graphdef, params, spec: Spec, batch: int) -> dict:
+  """Seconds of the online budget's terms: the drafter pass without and with the repair
+  re-draft, and the target over the block (branch 0) and over the whole tree (v_max)."""
+  st = _start(graphdef, params, spec, batch)
+  chain, tree = _drafting(graphdef, spec, False), _drafting(graphdef, spec, True)
+  proposal = tree(params, st)
+  k, v = spec.block_size, spec.cure.v_max
+  return dict(draft_s=_seconds(chain, params, st), draft_repair_s=_seconds(tree, params, st),
+              nodes=[k, v], verify_s=[_seconds(_verifying(graphdef, spec, n), params, st,
+                                               proposal) for n in (k, v)])
+
+
+def _cached(kind: str, graphdef, params, spec: Spec, batch: int, timer, log) -> dict:
+  """timer's result from the cache, or timed now and cached (one process times, all read)."""
+  path = cache_root() / "costs" / f"{kind}-{_key(graphdef, params, spec, batch)}.json"
+  if path.exists():
+    return json.loads(path.read_text())
+  log(f"cure_jax: timing the {kind} costs for batch {batch} (once per device, model pair and "
+      "batch; kept in the cure_jax cache's costs/)")
+  curve = timer(graphdef, params, spec, batch)
+  curve.update(device=jax.devices()[0].device_kind, batch=batch)
+  files.write_json(str(path), curve)
+  return curve
+
+
+def _same_everywhere(seconds) -> tuple[float, ...]:
+  if jax.process_count() > 1:  # every process must compile the same loop: process 0's numbers
+    seconds = multihost_utils.broadcast_one_to_all(np.asarray(seconds))
+  return tuple(float(x) for x in seconds)
 
 
 def costs(graphdef, params, spec: Spec, batch: int, log=print) -> tuple[float, ...]:
   """C(B, n) per budget in seconds, from the cache or timed now (and cached)."""
-  path = cache_root() / "costs" / f"{_key(graphdef, params, spec, batch)}.json"
-  if path.exists():
-    curve = json.loads(path.read_text())
-  else:
-    log(f"cure_jax: timing the cost curve for batch {batch}, budgets {spec.auto.budgets} "
-        "(once per device, model pair and batch; kept in the cure_jax cache's costs/)")
-    curve = time_budgets(graphdef, params, spec, batch)
-    curve.update(device=jax.devices()[0].device_kind, batch=batch,
-                 budgets=list(spec.auto.budgets))
-    files.write_json(str(path), curve)
-  seconds = [v + (curve["draft_s"] if n > 1 else 0.0)
-             for n, v in zip(spec.auto.budgets, curve["verify_s"])]
-  if jax.process_count() > 1:  # every process must compile the same loop: process 0's curve
-    seconds = multihost_utils.broadcast_one_to_all(np.asarray(seconds))
-  return tuple(float(x) for x in seconds)
+  curve = _cached("auto", graphdef, params, spec, batch, time_budgets, log)
+  return _same_everywhere([v + (curve["draft_s"] if n > 1 else 0.0)
+                           for n, v in zip(spec.auto.budgets, curve["verify_s"])])
 
+
+def online_costs(graphdef, params, spec: Spec, batch: int, log=print) -> tuple[float, ...]:
+  """The online budget's (C_d, C_r, C_v base, C_v per node) in seconds: C_v(n) is the line
+  through the block's and the tree's measured costs (an MoE's is steep, a dense GPU's flat)."""
+  c = _cached("online", graphdef, params, spec, batch, time_online, log)
+  (k, v), (cv_k, cv_v) = c["nodes"], c["verify_s"]
+  per_node = max(cv_v - cv_k, 0.0) / max(v - k, 1)
+  return _same_everywhere([c["draft_s"], max(c["draft_repair_s"] - c["draft_s"], 0.0),
+                           cv_k - per_node * k, per_node])

@@ -126,12 +126,13 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> St
                controller=controller.init(b, len(spec.auto.budgets)) if spec.auto else None)
 
 
-def propose(target, drafter, spec: Spec, st: State):
-  """Phase 1, draft and tree build: (proposal, drafter cache)."""
+def propose(target, drafter, spec: Spec, st: State, want=None):
+  """Phase 1, draft and tree build: (proposal, drafter cache). want [B] (online budget): the
+  sequences that may repair; by default the budget's choice."""
   limit = depth_limit(spec, st.cache.lengths, st.produced)
   key_draft = jax.random.fold_in(st.key, 1)
-  want = (budget_lib.want_tree(st.budget, st.step, spec.cure, spec.block_size) if spec.online
-          else None)
+  if want is None and spec.online:
+    want = budget_lib.want_tree(st.budget, st.step, spec.cure, spec.block_size)
   return spec.impl.propose(target, drafter, st.dcache, spec, key_draft, st.anchor,
                            st.cache.lengths, limit, want)
 

@@ -140,13 +140,19 @@ class Generator:
     self.compiler_options = tuple(sorted((compiler_options or {}).items()))
 
   def spec(self, max_len: int, batch: int = 1) -> Spec:
-    """The run's Spec; a controlled method's costs come from the device at this batch size."""
+    """The run's Spec; costs left unset (auto's, the online budget's) come from the device at
+    this batch size."""
     spec = decoding_spec(self.method, self.drafter, self.max_new_tokens, max_len, self.stop_ids,
                          self.block_size, self.cure, self.sampling, self.prefill_chunk,
                          self.drafter_window, self.auto)
     if spec.auto is not None and not spec.auto.costs:
       seconds = cost_curve.costs(self.graphdef, self.params, spec, batch)
       spec = dataclasses.replace(spec, auto=dataclasses.replace(spec.auto, costs=seconds))
+    if spec.online and not any(spec.cure.costs):
+      c = cost_curve.online_costs(self.graphdef, self.params, spec, batch)
+      spec = dataclasses.replace(spec, cure=dataclasses.replace(
+          spec.cure, cost_draft=c[0], cost_redraft=c[1], cost_verify_base=c[2],
+          cost_verify_per_node=c[3]))
     return spec
 
   def cache_len(self, prompt_len: int) -> int:

@@ -35,12 +35,17 @@ class RepairConfig:
   resync: bool = True
   topk: int = 4                  # ddtree: candidates per depth; hybrid: sibling leaves per node
   online: bool = False           # cure/hybrid: repair only while the efficiency model says so
+  # online costs in any one unit; all four 0 = timed on the device at start-up
   cost_draft: float = 1.0        # online: C_d, one drafter block pass (any unit, e.g. ms)
   cost_redraft: float = 1.0      # online: the re-draft pass over the repair paths
   cost_verify_base: float = 1.0  # online: C_v(n) = base + per_node * n
   cost_verify_per_node: float = 0.0
   online_decay: float = 0.8      # online: weight of the past in the running means
   explore_every: int = 8         # online: try the tree at least once in this many iterations
+
+  @property
+  def costs(self) -> tuple[float, float, float, float]:
+    return (self.cost_draft, self.cost_redraft, self.cost_verify_base, self.cost_verify_per_node)
 
   @property
   def num_paths(self) -> int:
@@ -64,9 +69,9 @@ class RepairConfig:
       problems.append(f"max_depth={self.max_depth} must lie in 1..block_size-1={block_size - 1}")
     if self.topk < 1:
       problems.append(f"topk={self.topk} must be >= 1")
-    if min(self.cost_draft, self.cost_redraft, self.cost_verify_base,
-           self.cost_verify_per_node) < 0 or self.cost_draft + self.cost_verify_base <= 0:
-      problems.append("online costs must be >= 0, with cost_draft + cost_verify_base > 0")
+    if min(self.costs) < 0 or (any(self.costs) and self.cost_draft + self.cost_verify_base <= 0):
+      problems.append("online costs must be >= 0, with cost_draft + cost_verify_base > 0 (or "
+                      "all four 0: timed on this device)")
     if not 0 <= self.online_decay < 1:
       problems.append(f"online_decay={self.online_decay} must lie in [0, 1)")
     if self.explore_every < 1:
