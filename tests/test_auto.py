@@ -44,6 +44,17 @@ def test_the_chosen_budget_is_what_the_target_verifies(pair, costs, every):
       assert s["expected"] >= 1.0
 
 
+def test_a_look_the_run_cannot_repay_is_not_taken(pair):
+  """Drafting 49x dearer than a plain step with 100% of the time allowed for looks: a look
+  every 49 iterations, more than a 16-token run has, so every iteration is a plain step (the
+  parametrized test above sees the looks when the run can repay them)."""
+  target, drafter = pair
+  gen = _auto(target, drafter, (1.0, 50.0, 60.0), explore_every=4, explore_overhead=1.0)
+  assert gen.auto.explore_interval == 49 > gen.max_new_tokens
+  for r in gen.generate(random_models.prompts(4, ARCH.vocab, 2)):
+    assert [s["budget"] for s in r.stats] == [1] * len(r.stats)
+
+
 def test_cost_curve_is_timed_once_and_cached(pair, tmp_path, monkeypatch):
   """Costs C(n) = verify(n) + one drafter pass for n > 1, read back from the cache file."""
   monkeypatch.setenv("CURE_JAX_CACHE", str(tmp_path))

@@ -13,7 +13,7 @@ BUDGETS = (1, 3, 5, 9)
 
 
 def _py_choose(mass, observed, predicted, active, costs, budgets, step, explore_every,
-               overhead=0.02):
+               overhead=0.02, horizon=10 ** 9):
   rates = []
   for a in range(len(budgets)):
     total = 0.0
@@ -24,7 +24,8 @@ def _py_choose(mass, observed, predicted, active, costs, budgets, step, explore_
     rates.append(total / costs[a])
   best = max(range(len(rates)), key=lambda a: (rates[a], -a))
   interval = max(explore_every, math.ceil((costs[1] / costs[0] - 1) / overhead))
-  if budgets[best] == 1 and step % interval == 0 and budgets[-1] > 1:
+  if budgets[best] == 1 and step % interval == 0 and budgets[-1] > 1 and \
+      horizon - step >= interval:
     best = next(a for a, n in enumerate(budgets) if n > 1)
   return best, sorted(rates)
 
@@ -54,11 +55,13 @@ def test_choice_equals_the_plain_python_rule():
     cfg = controller.Settings(budgets=BUDGETS, costs=costs, explore_every=3,
                               explore_overhead=0.05)
     step = int(rng.integers(0, 200))
+    horizon = int(rng.choice([150, 10 ** 6]))   # a short run takes no look it cannot repay
     want, rates = _py_choose(np.asarray(ctrl.mass, np.float64), np.asarray(ctrl.observed),
-                             np.asarray(ctrl.predicted), active, costs, BUDGETS, step, 3, 0.05)
+                             np.asarray(ctrl.predicted), active, costs, BUDGETS, step, 3, 0.05,
+                             horizon)
     if len(rates) > 1 and rates[-1] - rates[-2] < 1e-4 * rates[-1]:
       continue  # a near-tie: float32 may order it either way
-    got = int(controller.choose(ctrl, cfg, jnp.asarray(active), step))
+    got = int(controller.choose(ctrl, cfg, jnp.asarray(active), step, horizon))
     assert got == want, trial
     checked.add(want)
   assert checked == set(range(len(BUDGETS)))  # every budget was the answer somewhere
@@ -105,7 +108,7 @@ def test_a_calibrated_drafter_is_followed_to_the_budget_that_pays():
     active = jnp.ones((1,), bool)
     picks = []
     for step in range(1, 30):
-      arm = int(controller.choose(ctrl, cfg, active, step))
+      arm = int(controller.choose(ctrl, cfg, active, step, 10 ** 6))
       arm = 1 if step == 1 else arm                            # one look at the drafter
       picks.append(arm)
       ctrl = controller.update(ctrl, cfg, arm, active, jnp.asarray(m, jnp.float32),

@@ -269,7 +269,7 @@ def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
   nodes of the method's best-first tree, each budget its own compiled branch."""
   cfg = spec.auto
   active = ~st.done
-  arm = controller.choose(st.controller, cfg, active, st.step)
+  arm = controller.choose(st.controller, cfg, active, st.step, spec.max_new_tokens)
   n = jnp.asarray(cfg.budgets)[arm]
   drafted = functools.partial(propose, target, drafter, spec, st)
   if cfg.budgets[0] == 1:

@@ -85,13 +85,18 @@ def expected_tokens(ctrl: Controller):
   return 1.0 + calibration[:, None] * ctrl.mass
 
 
-def choose(ctrl: Controller, cfg: Settings, active, step):
-  """The budget index [] for this iteration; active [B] sequences still decoding."""
+def choose(ctrl: Controller, cfg: Settings, active, step, horizon: int):
+  """The budget index [] for this iteration; active [B] sequences still decoding. A look at
+  the drafter is taken only where the run can repay it: at least an explore interval of
+  iterations left of the `horizon` (max_new_tokens; each iteration emits a token or more), so
+  a short run on a device where drafting is dear never pays for one."""
   budgets = jnp.asarray(cfg.budgets)
   rate = jnp.sum(jnp.where(active[:, None], expected_tokens(ctrl), 0.0), axis=0)
   arm = jnp.argmax(rate / jnp.asarray(cfg.costs, jnp.float32)).astype(jnp.int32)
   drafting = jnp.argmax(budgets > 1).astype(jnp.int32)     # the smallest drafting budget
-  explore = (budgets[arm] == 1) & (step % cfg.explore_interval == 0) & (budgets[-1] > 1)
+  interval = cfg.explore_interval
+  explore = ((budgets[arm] == 1) & (step % interval == 0) & (horizon - step >= interval) &
+             (budgets[-1] > 1))
   return jnp.where(explore, drafting, arm)
 
 
