@@ -54,6 +54,8 @@ _TREES_BUDGETS = flags.DEFINE_multi_integer("trees_budgets", [16, 32, 64],
                                            "trees: node budgets v_max to compare")
 _GOODPUT_BATCHES = flags.DEFINE_multi_integer("goodput_batches", [1, 4, 16],
                                              "goodput: batch sizes, one sweep each")
+_GOODPUT_METHODS = flags.DEFINE_list("goodput_methods", [], "goodput: only these variants "
+                                     "(labels, e.g. 'ar,auto,ddtree v16'; default: all)")
 _REUSE_RAW = flags.DEFINE_string("reuse_raw", None, "raw/ folder of an earlier run with the same "
                                  "config: variants found there are not decoded again")
 _EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")
@@ -114,7 +116,8 @@ def main(argv):
   registry.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value,
                     sweep_factors=_SWEEP_FACTORS.value, table4_problems=_TABLE4_PROBLEMS.value,
                     table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value,
-                    goodput_batches=_GOODPUT_BATCHES.value)
+                    goodput_batches=_GOODPUT_BATCHES.value,
+                    goodput_methods=_GOODPUT_METHODS.value)
   print(f"results in {Path(_RESULTS.value).resolve()}")
 
 

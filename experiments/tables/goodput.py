@@ -49,10 +49,17 @@ def _sweep(bench: Bench, batch: int, variants, idx) -> list[dict]:
   return rows
 
 
-def table_goodput(bench: Bench, batch_sizes=BATCH_SIZES, variants=None) -> dict:
-  """variants: ar, auto and the fixed settings to compare (default: goodput_variants)."""
+def table_goodput(bench: Bench, batch_sizes=BATCH_SIZES, variants=None, methods=()) -> dict:
+  """variants: ar, auto and the fixed settings to compare (default: goodput_variants, or those
+  of them labelled in `methods`)."""
   idx = _indices(bench)
   variants = variants or goodput_variants(bench.drafter.cfg.block_size)
+  if methods:
+    unknown = sorted(set(methods) - {v.label for v in variants})
+    if unknown or not {"ar", "auto"} <= set(methods):
+      raise ValueError(f"--goodput_methods: {unknown or list(methods)}; give 'ar', 'auto' and any "
+                       f"of {', '.join(v.label for v in variants)}")
+    variants = [v for v in variants if v.label in methods]
   rows, verdicts = [], []
   for batch in batch_sizes:
     sweep = _sweep(bench, batch, variants, idx)

@@ -33,7 +33,8 @@ def _options(name: str, kwargs: dict) -> dict:
   if name == "trees":
     return dict(budgets=kwargs.get("trees_budgets") or trees.BUDGETS)
   if name == "goodput":
-    return dict(batch_sizes=tuple(kwargs.get("goodput_batches") or goodput.BATCH_SIZES))
+    return dict(batch_sizes=tuple(kwargs.get("goodput_batches") or goodput.BATCH_SIZES),
+                methods=tuple(kwargs.get("goodput_methods") or ()))
   return {}
 
 
