@@ -283,7 +283,17 @@ def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
   tree = proposal.tree
   proposal = proposal.replace(tree=tree.replace(valid=tree.valid & (jnp.arange(tree.size) < n)))
   expected = jnp.take(controller.expected_tokens(st.controller), arm, axis=1)
-  new = commit(drafter, spec, st, proposal, dcache, verdict, verified)
+
+  def committed(rows: int):   # a plain step commits its root alone: one row, not the block's
+    kept = verified.replace(k=tuple(x[:, :rows] for x in verified.k),
+                            v=tuple(x[:, :rows] for x in verified.v),
+                            features=None if verified.features is None
+                            else verified.features[:, :rows])
+    return lambda: commit(drafter, spec, st, proposal, dcache, verdict, kept)
+  if cfg.budgets[0] == 1:
+    new = jax.lax.cond(n == 1, committed(1), committed(spec.block_size))
+  else:
+    new = committed(spec.block_size)()
   put = lambda buf, val: buf.at[:, st.step].set(jnp.where(active, val, buf[:, st.step]))
   stats = new.stats.replace(budget=put(new.stats.budget, jnp.broadcast_to(n, active.shape)),
                             expected=put(new.stats.expected, expected))
