@@ -220,15 +220,30 @@ def commit_target(cache: KVCache, verified: Verified, count) -> KVCache:
   return cache.append(verified.k, verified.v, count)
 
 
-def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified) -> State:
-  """Phase 3: accepted keys/values into the target cache, drafter resync, outputs, stats."""
+def _first_rows(verified: Verified, rows: int) -> Verified:
+  return verified.replace(k=tuple(x[:, :rows] for x in verified.k),
+                          v=tuple(x[:, :rows] for x in verified.v),
+                          features=None if verified.features is None
+                          else verified.features[:, :rows])
+
+
+def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified,
+           plain=None) -> State:
+  """Phase 3: accepted keys/values into the target cache, drafter resync, outputs, stats.
+  plain [] (auto): a plain target step, whose drafter resync takes the root's one row, not the
+  block's K (only the small drafter cache passes through that lax.cond: a cond over the target
+  cache would copy it every iteration)."""
   active = ~st.done
   lengths = st.cache.lengths
   emitted, n_new, hit_stop = _emitted(spec, st, proposal.tree, verdict)
   count = jnp.where(active, verdict.accepted + 1, 0)  # committed nodes: root + accepted
   cache = commit_target(st.cache, verified, count)
   if dcache is not None:  # an inactive sequence keeps its drafter state
-    dcache = spec.impl.resync(drafter, dcache, spec, verified, lengths, count)
+    def resync(rows: int):
+      return lambda: spec.impl.resync(drafter, dcache, spec, _first_rows(verified, rows),
+                                      lengths, count)
+    dcache = (resync(spec.block_size)() if plain is None
+              else jax.lax.cond(plain, resync(1), resync(spec.block_size)))
     dcache = dcache.replace(lengths=jnp.where(active, dcache.lengths, st.dcache.lengths))
   i = jnp.arange(spec.block_size)[None]
   slots = jnp.where(i < n_new[:, None], st.produced[:, None] + i, st.tokens.shape[1])
@@ -283,17 +298,8 @@ def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
   tree = proposal.tree
   proposal = proposal.replace(tree=tree.replace(valid=tree.valid & (jnp.arange(tree.size) < n)))
   expected = jnp.take(controller.expected_tokens(st.controller), arm, axis=1)
-
-  def committed(rows: int):   # a plain step commits its root alone: one row, not the block's
-    kept = verified.replace(k=tuple(x[:, :rows] for x in verified.k),
-                            v=tuple(x[:, :rows] for x in verified.v),
-                            features=None if verified.features is None
-                            else verified.features[:, :rows])
-    return lambda: commit(drafter, spec, st, proposal, dcache, verdict, kept)
-  if cfg.budgets[0] == 1:
-    new = jax.lax.cond(n == 1, committed(1), committed(spec.block_size))
-  else:
-    new = committed(spec.block_size)()
+  new = commit(drafter, spec, st, proposal, dcache, verdict, verified,
+               plain=(n == 1) if cfg.budgets[0] == 1 else None)
   put = lambda buf, val: buf.at[:, st.step].set(jnp.where(active, val, buf[:, st.step]))
   stats = new.stats.replace(budget=put(new.stats.budget, jnp.broadcast_to(n, active.shape)),
                             expected=put(new.stats.expected, expected))
