@@ -7,8 +7,8 @@ random bf16 weights (random weights make τ meaningless; costs are what this mea
 Parts (--parts, run in this order; each writes <output_dir>/<part>.json as soon as it ends; no
 part, batch, chunk or node count starts after --deadline_s seconds, so a lease's end loses
 nothing measured):
-  smoke    small random pairs (dense and MoE), float32: chain, ddtree, cure and auto give the greedy tokens of
-           target-only decoding on this device, through its attention kernels
+  smoke    small random pairs (dense and MoE), float32: chain, ddtree, cure and auto give the
+           greedy tokens of target-only decoding on this device, through its attention kernels
   curve    the goodput controller's cost curve C(B, n) (runtime/cost_curve.py) of Qwen3-8B +
            DFlash-b16 at each --batches: one drafter pass and the target over each budget
   prefill  a --prompt_len prefill of Qwen3-8B + DFlash at each --chunks (prefill_chunk): seconds

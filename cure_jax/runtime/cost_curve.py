@@ -4,10 +4,10 @@ the online budget's four terms.
 auto: for each node budget n, the target's forward over the first n nodes of a tree at batch
 B, plus one drafter pass when n > 1. online (cure, hybrid): the drafter pass without and with
 the repair re-draft, and the target over the block and over the whole tree. Each is timed from
-its own compiled program (median of a few runs after a warm-up). The loop's attention reads the whole static cache whatever the context, so
-one short prompt stands for every length. Results are cached per device kind, model pair,
-method, batch and max_len in the project's cache (`<cure_jax cache>/costs/`), so a second run
-starts at once; delete the folder to re-measure.
+its own compiled program (median of a few runs after a warm-up). The loop's attention reads the
+whole static cache whatever the context, so one short prompt stands for every length. Results
+are cached per device kind, model pair, method, batch and max_len in the project's cache
+(`<cure_jax cache>/costs/`), so a second run starts at once; delete the folder to re-measure.
 """
 
 from __future__ import annotations
