@@ -10,6 +10,7 @@
   python -m experiments.benchmark --table=peers --num_prompts=8         # transformers, dflash
   python -m experiments.benchmark --table=trees --num_prompts=20        # tree strategies
   python -m experiments.benchmark --table=goodput --num_prompts=8       # auto vs every budget
+  python -m experiments.benchmark --table=long_context                  # 1k/4k/8k context, windows
   python -m experiments.benchmark --table=all --results=results/
   python -m experiments.benchmark --table=1,3,diagnostic,5 --config.batch_size=8 --num_prompts=0
 
@@ -56,6 +57,10 @@ _GOODPUT_BATCHES = flags.DEFINE_multi_integer("goodput_batches", [1, 4, 16],
                                              "goodput: batch sizes, one sweep each")
 _GOODPUT_METHODS = flags.DEFINE_list("goodput_methods", [], "goodput: only these variants "
                                      "(labels, e.g. 'ar,auto,ddtree v16'; default: all)")
+_LONG_CONTEXTS = flags.DEFINE_multi_integer("long_contexts", None, "long_context: context "
+                                           "lengths in tokens (default 1024, 4096, 8192)")
+_LONG_WINDOWS = flags.DEFINE_multi_integer("long_windows", None, "long_context: drafter windows "
+                                          "(0 = the whole context; default 0, 1024, 256)")
 _REUSE_RAW = flags.DEFINE_string("reuse_raw", None, "raw/ folder of an earlier run with the same "
                                  "config: variants found there are not decoded again")
 _EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")
@@ -117,7 +122,8 @@ def main(argv):
                     sweep_factors=_SWEEP_FACTORS.value, table4_problems=_TABLE4_PROBLEMS.value,
                     table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value,
                     goodput_batches=_GOODPUT_BATCHES.value,
-                    goodput_methods=_GOODPUT_METHODS.value)
+                    goodput_methods=_GOODPUT_METHODS.value,
+                    long_contexts=_LONG_CONTEXTS.value, long_windows=_LONG_WINDOWS.value)
   print(f"results in {Path(_RESULTS.value).resolve()}")
 
 

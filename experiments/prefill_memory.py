@@ -34,7 +34,7 @@ def child(tokens: int) -> dict:
   import cure_jax
   from cure_jax.checkpoints.qwen3 import load_target
   from cure_jax.runtime import pipeline
-  from cure_jax.runtime.generation import Generator
+  from cure_jax.runtime.generation import Generator, prompt_bucket
 
   path = pipeline._embedded()["embedded:smollm2"]()
   tokenizer = pipeline.load_tokenizer(path)
@@ -46,7 +46,7 @@ def child(tokens: int) -> dict:
   target = load_target(path, jnp.float32, progress=False)
   gen = Generator(target, method="ar", max_new_tokens=8)
   t0 = time.perf_counter()
-  bucket = max(32, 1 << (tokens - 1).bit_length())   # generation.prompt_bucket
+  bucket = prompt_bucket(tokens)
   max_len = gen.cache_len(tokens)
   pre, _ = gen._executables(1, bucket, max_len)
   compile_s = time.perf_counter() - t0

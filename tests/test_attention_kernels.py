@@ -191,7 +191,30 @@ def test_prompt_chunk_kernels_and_xla_form_equal_softmax_attention(lengths):
   kernel = gpu_prefix.attend(*map(jnp.asarray, args), jnp.asarray(lengths), interpret=True)
   more = (jnp.asarray(lengths), jnp.asarray(count))
   tpu = prefix.tpu_attend(*map(jnp.asarray, args), *more, interpret=True)
-  xla = prefix.xla_attend(*map(jnp.asarray, args), *more)
+  xla, k_out, v_out = prefix.xla_attend(*map(jnp.asarray, args), *more)
   for got in (kernel, tpu, xla):
     for row, n in enumerate(count):
       np.testing.assert_allclose(np.asarray(got)[row, :n], want[row, :n], rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(k_out, args[1])    # the loop hands the caches back unchanged
+  np.testing.assert_array_equal(v_out, args[2])
+
+
+def test_prompt_chunk_attend_writes_the_chunk_after_each_prefix():
+  """prefix.attend returns the caches with each row's first `count` chunk tokens at slots
+  lengths..lengths+count-1 and every other slot as it was (a numpy scatter as reference)."""
+  from cure_jax.models.kernels import prefix
+  rng = np.random.default_rng(3)
+  f = lambda *dims: rng.normal(size=dims).astype(np.float32)            # noqa: E731
+  b, t, h, kvh, d, s = 3, 8, 4, 2, 16, 24
+  q, k_cache, v_cache, k_new, v_new = f(b, t, h, d), f(b, kvh, s, d), f(b, kvh, s, d), \
+      f(b, t, kvh, d), f(b, t, kvh, d)
+  lengths, count = np.asarray([0, 5, 20], np.int32), np.asarray([8, 3, 8], np.int32)
+  _, k_out, v_out = prefix.attend(*map(jnp.asarray, (q, k_cache, v_cache, k_new, v_new)),
+                                  prefix.Prefix(lengths=jnp.asarray(lengths),
+                                                count=jnp.asarray(count)))
+  for cache, new, got in ((k_cache, k_new, k_out), (v_cache, v_new, v_out)):
+    want = cache.copy()
+    for row in range(b):
+      n = min(count[row], s - lengths[row])                  # writes past the cache are dropped
+      want[row, :, lengths[row]:lengths[row] + n] = new[row, :n].swapaxes(0, 1)
+    np.testing.assert_array_equal(np.asarray(got), want)

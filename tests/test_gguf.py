@@ -247,3 +247,22 @@ def test_failure_midway_leaves_nothing(tmp_path, tiny_qwen3_gguf, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         convert_gguf(tiny_qwen3_gguf, str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []
+
+
+def test_load_tokenizer_equals_auto_tokenizer_without_torch(out_dir):
+    """pipeline.load_tokenizer takes tokenizer_config's class directly: the same ids, chat
+    template and special tokens as AutoTokenizer, and (in a fresh process) no torch import."""
+    import subprocess
+    import sys
+
+    from cure_jax.runtime import pipeline, prompts
+
+    ours, ref = pipeline.load_tokenizer(out_dir), AutoTokenizer.from_pretrained(out_dir)
+    assert ours.encode(_SAMPLE_TEXT) == ref.encode(_SAMPLE_TEXT)
+    assert ours.all_special_ids == ref.all_special_ids and ours.eos_token_id == ref.eos_token_id
+    rows = [dict(prompt=_SAMPLE_TEXT), dict(prompt="def f(x):\n    return x")]
+    assert prompts.encode(rows, ours, True, 49152) == prompts.encode(rows, ref, True, 49152)
+    code = ("import sys; from cure_jax.runtime import pipeline; "
+            f"assert pipeline.load_tokenizer({out_dir!r}) is not None; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -30,7 +30,7 @@ class ArDraft(Method):
   def prefill_drafter(self, drafter, dcache, spec, target_out, tokens, positions, chunk):
     del spec, target_out
     out = drafter(tokens, positions, dcache, chunk)
-    return dcache.append(out.k, out.v, chunk.count)
+    return dcache.replace(k=out.k, v=out.v).advance(chunk.count)
 
   def propose(self, target, drafter, dcache, spec, key, anchor, lengths, limit, want_tree=None):
     del target, want_tree

@@ -13,6 +13,8 @@ the cache shrinks instead of overflowing.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -43,23 +45,35 @@ class KVCache:
     """Scatters k_new/v_new (L x [B, T, KVH, D]) into slots [B, T]; slots >= max_len are
     dropped. Layer by layer: a stacked [L, ...] input would be one buffer that every layer's
     scatter reads whole (XLA fuses the stacking into each; on a GPU 2 GB an iteration)."""
-    batch = jnp.arange(slots.shape[0])[:, None, None]               # [B, 1, 1]
-    heads = jnp.arange(self.k[0].shape[1])[None, :, None]           # [1, KVH, 1]
-    at = (batch, heads, slots[:, None, :])                          # a layer's [B, KVH, T]
-
-    def put(cache, new):                                            # new: L x [B, T, KVH, D]
-      return tuple(c.at[at].set(n.swapaxes(1, 2).astype(c.dtype), mode="drop")
-                   for c, n in zip(cache, new))
-
-    return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
+    put = functools.partial(write_layer, slots=slots)
+    return self.replace(k=tuple(map(put, self.k, k_new)), v=tuple(map(put, self.v, v_new)))
 
   def append(self, k_new, v_new, count) -> "KVCache":
     """Commits the first count[b] of T new tokens after each sequence's current length."""
-    t = k_new[0].shape[1]
-    offs = jnp.arange(t)[None, :]                                    # [1, T]
-    slots = jnp.where(offs < count[:, None], self.lengths[:, None] + offs, self.max_len)
-    cache = self.write(k_new, v_new, slots)
-    return cache.replace(lengths=jnp.minimum(self.lengths + count, self.max_len))
+    cache = self.write(k_new, v_new, append_slots(self.lengths, count, k_new[0].shape[1],
+                                                  self.max_len))
+    return cache.advance(count)
+
+  def advance(self, count) -> "KVCache":
+    """count[b] more slots committed: for caches a prompt chunk's forward wrote itself
+    (kernels/prefix.attend)."""
+    return self.replace(lengths=jnp.minimum(self.lengths + count, self.max_len))
+
+
+def append_slots(lengths, count, t: int, max_len: int):
+  """[B, T] the slots of T new tokens after each row's `lengths`; tokens past count[b] go to
+  max_len (dropped by write_layer)."""
+  offs = jnp.arange(t)[None, :]                                      # [1, T]
+  return jnp.where(offs < count[:, None], lengths[:, None] + offs, max_len)
+
+
+def write_layer(cache, new, slots):
+  """One layer's cache [B, KVH, S, D] with new [B, T, KVH, D] scattered to slots [B, T]
+  (slots >= S dropped)."""
+  batch = jnp.arange(slots.shape[0])[:, None, None]                 # [B, 1, 1]
+  heads = jnp.arange(cache.shape[1])[None, :, None]                 # [1, KVH, 1]
+  return cache.at[batch, heads, slots[:, None, :]].set(new.swapaxes(1, 2).astype(cache.dtype),
+                                                       mode="drop")
 
 
 def take_tokens(x, index):

@@ -91,7 +91,8 @@ class Attention(nnx.Module):
 
   def __call__(self, x, positions, k_old, v_old, mask):
     """x [B, T, H]; mask [B, T, S + T] or a prompt chunk's Prefix. Returns the output [B, T, H]
-    and this layer's new (k, v) [B, T, KVH, D]."""
+    and this layer's new (k, v) [B, T, KVH, D]; for a Prefix, its cache (k, v) [B, KVH, S, D]
+    with the chunk written in."""
     b, t, _ = x.shape
     cfg = self.cfg
     q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -101,7 +102,7 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = cfg.rope(q, positions), cfg.rope(k, positions)
     if isinstance(mask, prefix_attention.Prefix):
-      out = prefix_attention.attend(q, k_old, v_old, k, v, mask)           # [B, T, H, D]
+      out, k, v = prefix_attention.attend(q, k_old, v_old, k, v, mask)     # [B, T, H, D]
     else:
       s = k_old.shape[2]
       out = attend(q[:, None], k_old, v_old, k[:, None], v[:, None], mask[:, None, :, :s],
@@ -125,8 +126,9 @@ class DecoderLayer(nnx.Module):
 
 class Output(NamedTuple):
   hidden: jax.Array           # [B, T, H] after the final norm
-  k: tuple[jax.Array, ...]    # L x [B, T, KVH, D] keys of the new tokens (not yet committed)
-  v: tuple[jax.Array, ...]    # L x [B, T, KVH, D]
+  k: tuple[jax.Array, ...]    # L x [B, T, KVH, D] keys of the new tokens (not yet committed);
+                              # for a prompt chunk, L x [B, KVH, S, D] the caches it wrote
+  v: tuple[jax.Array, ...]    # as k
   features: jax.Array | None  # [B, T, n * H] chosen hidden states, concatenated in order
 
 
@@ -156,7 +158,8 @@ class Qwen3(nnx.Module):
 
   def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = ()):
     """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens], or a
-    Prefix when the tokens are a prompt chunk (chunked prefill).
+    Prefix when the tokens are a prompt chunk (chunked prefill): then the output's k and v are
+    the cache's layers with the chunk written in (`cache.replace(k=.., v=..).advance(count)`).
 
     feature_layers uses the transformers `hidden_states` index: 0 is the embedding output, i the
     output of layer i, and num_layers the final normed output.

@@ -96,7 +96,7 @@ def prefill_chunks(target, drafter, spec: Spec, prompt, prompt_len):
     here = jnp.take_along_axis(out.hidden, jnp.clip(at, 0, c - 1)[:, None, None], axis=1)[:, 0]
     last = jnp.where(((at >= 0) & (at < c))[:, None], here, last)
     dcache = spec.impl.prefill_drafter(drafter, dcache, spec, out, tokens, positions, chunk)
-    return cache.append(out.k, out.v, chunk.count), dcache, last
+    return cache.replace(k=out.k, v=out.v).advance(chunk.count), dcache, last
 
   init = (target.init_cache(b, spec.max_len), spec.impl.init_drafter(drafter, spec, b),
           jnp.zeros((b, target.cfg.hidden_size), target.dtype))

@@ -17,6 +17,7 @@ from cure_jax.tree import controller, repair
 from cure_jax.tree.sampling import Sampling
 
 PROMPT_BUCKET = 32
+LONG_PROMPT = 2048
 PREFILL_CHUNK = Spec.prefill_chunk   # prompt tokens per prefill step on other platforms
 # Prompt tokens per prefill step by platform, for a chunk of 0 (measured, WORKSPACE 2026-12-04):
 # an H200 prefilled 32,768 tokens of Qwen3-8B + DFlash in 2.04 / 1.94 / 1.89 s in chunks of
@@ -58,8 +59,13 @@ def platform_prefill_chunk(chunk: int, platform: str) -> int:
 
 
 def prompt_bucket(length: int) -> int:
-  """Padded prompt length: a power of two (at least PROMPT_BUCKET), so that a benchmark's
-  prompts compile a handful of shapes rather than one per length."""
+  """Padded prompt length, so that a benchmark's prompts compile a handful of shapes rather
+  than one per length: a power of two (at least PROMPT_BUCKET) up to LONG_PROMPT, a multiple of
+  LONG_PROMPT / 2 above it. The cache is sized to the bucket; powers of two all the way would
+  leave up to half of a long prompt's cache unused (a 6,000-token prompt's 8,192: 94 MB of the
+  embedded default's float32 cache)."""
+  if length > LONG_PROMPT:
+    return _round_up(length, LONG_PROMPT // 2)
   return max(PROMPT_BUCKET, 1 << (length - 1).bit_length())
 
 

