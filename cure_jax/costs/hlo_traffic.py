@@ -27,7 +27,11 @@ because routing is invisible in the HLO:
   GPU's dense lowering, which does read every expert);
 - a gather of the routed experts' slices (moe.py's path for decode-size token counts) reads the
   N x top_k slices it takes (an expert shared by two token-slots counts twice); unfused, its
-  result is an activation written once and read again by the matmul that uses it.
+  result is an activation written once and read again by the matmul that uses it;
+- the GPU grouped-matmul kernel (kernels/gpu_grouped.py, a Triton custom call named
+  `moe_grouped_matmul_top{k}`) reads only the experts its rows route to, each once: its weight
+  operand counts as the experts N tokens reach under uniform routing, E (1 - (1 - k / E)^N) of
+  E (N = its rows / k; one token: exactly k), the routing rule of the MoE minimum.
 
 A while loop's body is one iteration (a nested loop counts its known trip count, else once).
 Bytes are logical (no tile padding), per device: an SPMD program is one device's program.
@@ -52,6 +56,8 @@ import collections
 import dataclasses
 import re
 
+from cure_jax.models.kernels import gpu_grouped
+
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
                "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8,
                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
@@ -63,6 +69,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "domain", "iota"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}   # opcode -> operand index of the update
+_GROUPED = re.compile(r'name = "' + gpu_grouped.NAME + r'(\d+)"')
 _PALLAS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
 ACTIVATION = "activation"
 
@@ -460,6 +467,13 @@ class _Counter:
       return ([(self._label(labels, o), hbm(shape(o))) for o in ins.operands[1:]] +
               [(self._label(labels, ins.operands[0]), n)])
     out = [(self._label(labels, o), hbm(shape(o))) for o in dict.fromkeys(ins.operands)]
+    routed = _GROUPED.search(ins.attrs) if op == "custom-call" else None
+    if routed:                            # (bounds, rows, experts): the routed experts only
+      rows, experts = shape(ins.operands[1])[0], shape(ins.operands[2])[0]
+      k, e = int(routed.group(1)), experts.dims[0]
+      tokens = (rows.dims[0] - gpu_grouped.PAD_ROWS) / k
+      label, n = out[2]
+      out[2] = (label, n * (1.0 - (1.0 - k / e) ** tokens))
     result = _arrays(ins.shape)
     if op == "custom-call" and 'custom_call_target="__cublas' in ins.attrs and (
         isinstance(ins.shape, list) and result[-1].dtype == "s8" and len(result[-1].dims) == 1):
