@@ -28,10 +28,11 @@ because routing is invisible in the HLO:
 - a gather of the routed experts' slices (moe.py's path for decode-size token counts) reads the
   N x top_k slices it takes (an expert shared by two token-slots counts twice); unfused, its
   result is an activation written once and read again by the matmul that uses it;
-- the GPU grouped-matmul kernel (kernels/gpu_grouped.py, a Triton custom call named
-  `moe_grouped_matmul_top{k}`) reads only the experts its rows route to, each once: its weight
-  operand counts as the experts N tokens reach under uniform routing, E (1 - (1 - k / E)^N) of
-  E (N = its rows / k; one token: exactly k), the routing rule of the MoE minimum.
+- a grouped-matmul kernel that skips unrouted experts (kernels/gpu_grouped.py's Triton kernel,
+  megablox's gmm on TPUs through kernels/tpu_grouped.py; a Pallas custom call named or scoped
+  `moe_grouped_{N}x{k}`) reads only the experts its N tokens of top-k route to, each once: its
+  weight operand (the last) counts as the experts N tokens reach under uniform routing,
+  E (1 - (1 - k / E)^N) of E (one token: exactly k), the routing rule of the MoE minimum.
 
 A while loop's body is one iteration (a nested loop counts its known trip count, else once).
 Bytes are logical (no tile padding), per device: an SPMD program is one device's program.
@@ -69,7 +70,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "domain", "iota"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}   # opcode -> operand index of the update
-_GROUPED = re.compile(r'name = "' + gpu_grouped.NAME + r'(\d+)"')
+_GROUPED = re.compile(gpu_grouped.NAME + r"(\d+)x(\d+)")
 _PALLAS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
 ACTIVATION = "activation"
 
@@ -467,13 +468,10 @@ class _Counter:
       return ([(self._label(labels, o), hbm(shape(o))) for o in ins.operands[1:]] +
               [(self._label(labels, ins.operands[0]), n)])
     out = [(self._label(labels, o), hbm(shape(o))) for o in dict.fromkeys(ins.operands)]
-    routed = _GROUPED.search(ins.attrs) if op == "custom-call" else None
-    if routed:                            # (bounds, rows, experts): the routed experts only
-      rows, experts = shape(ins.operands[1])[0], shape(ins.operands[2])[0]
-      k, e = int(routed.group(1)), experts.dims[0]
-      tokens = (rows.dims[0] - gpu_grouped.PAD_ROWS) / k
-      label, n = out[2]
-      out[2] = (label, n * (1.0 - (1.0 - k / e) ** tokens))
+    routed = _GROUPED.search(ins.attrs) if _PALLAS.search(ins.attrs) else None
+    if routed:                            # the experts operand (last): the routed ones only
+      (tokens, k), (label, n) = map(int, routed.groups()), out[-1]
+      out[-1] = (label, n * (1.0 - (1.0 - k / shape(ins.operands[-1])[0].dims[0]) ** tokens))
     result = _arrays(ins.shape)
     if op == "custom-call" and 'custom_call_target="__cublas' in ins.attrs and (
         isinstance(ins.shape, list) and result[-1].dtype == "s8" and len(result[-1].dims) == 1):

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 _ROWS = 16    # rows per dot: Triton's least
 _COLS = 64    # output columns per program
 _DEPTH = 64   # contraction per step
-NAME = "moe_grouped_matmul_top"   # + top_k: the kernel's name in the compiled program
+NAME = "moe_grouped_"   # + "{tokens}x{top_k}": the kernel's name in the compiled program
 PAD_ROWS = _ROWS                  # rows the kernel's input carries past the M real ones
 
 
@@ -59,23 +59,30 @@ def _kernel(bounds_ref, x_ref, w_ref, o_ref, *, precision):
   jax.lax.fori_loop(0, pl.cdiv(end - start, _ROWS), row_block, start)
 
 
-def grouped_matmul(rows, w, sizes, *, top_k: int = 1, interpret: bool = False):
-  """rows [M, din] sorted by expert, w [E, din, dout], sizes [E] rows per expert (summing to
-  M) -> [M, dout], as jax.lax.ragged_dot(rows, w, sizes). top_k (rows per token) only names
-  the kernel, so that costs/hlo_traffic can charge the experts M / top_k tokens route to."""
-  m, din = rows.shape
-  e, _, dout = w.shape
+def name(tokens: int, top_k: int) -> str:
+  """The name a grouped-matmul kernel carries into the compiled program (GPU: the Triton
+  kernel's; TPU: the scope of megablox's), so that costs/hlo_traffic can charge only the experts
+  `tokens` tokens of top_k route to."""
+  return f"{NAME}{tokens}x{top_k}"
+
+
+def grouped_matmul(rows, w, sizes, *, tokens: int = 1, top_k: int = 1, interpret: bool = False):
+  """rows [M + PAD_ROWS, din] sorted by expert, the last PAD_ROWS padding (a last row block
+  never reaches past the array; the caller's gather writes them, saving a padded copy); w [E,
+  din, dout]; sizes [E] rows per expert (summing to M) -> [M + PAD_ROWS, dout], the first M as
+  jax.lax.ragged_dot(rows[:M], w, sizes). tokens and top_k (M = tokens x top_k) only name the
+  kernel."""
+  e, din, dout = w.shape
   bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
-  rows = jnp.pad(rows, ((0, PAD_ROWS), (0, 0)))   # a last row block never reaches past the array
   precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None  # no TF32
   return pl.pallas_call(
       functools.partial(_kernel, precision=precision),
-      out_shape=jax.ShapeDtypeStruct((m + PAD_ROWS, dout), rows.dtype),
+      out_shape=jax.ShapeDtypeStruct((rows.shape[0], dout), rows.dtype),
       grid=(e, dout // _COLS),
       in_specs=[pl.BlockSpec((e + 1,), lambda i, j: (0,)),
-                pl.BlockSpec((m + PAD_ROWS, din), lambda i, j: (0, 0)),
+                pl.BlockSpec((rows.shape[0], din), lambda i, j: (0, 0)),
                 pl.BlockSpec((e, din, dout), lambda i, j: (0, 0, 0))],
-      out_specs=pl.BlockSpec((m + PAD_ROWS, dout), lambda i, j: (0, 0)),
+      out_specs=pl.BlockSpec((rows.shape[0], dout), lambda i, j: (0, 0)),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret, name=f"{NAME}{top_k}",
-  )(bounds, rows, w)[:m]
+      interpret=interpret, name=name(tokens, top_k),
+  )(bounds, rows, w)
