@@ -35,6 +35,8 @@ _LAUNCH_US = flags.DEFINE_float("launch_us", roofline.LAUNCH_US, "host cost of o
                                 "graph) in µs, for the GPU launch term")
 _TAU = flags.DEFINE_string("tau", "", "measured τ as method=value,... (e.g. chain=2.005,"
                            "cure=2.431); the paper's τ is always shown")
+_TAU_FROM = flags.DEFINE_string("tau_from", "measured", "where --tau's values come from, as the "
+                                "table's 'τ from' column says it (e.g. 'DDTree paper, MoE')")
 _OUTPUT = flags.DEFINE_string("output", "results/aot/projection", "output path, no extension")
 _AUTO_BATCHES = flags.DEFINE_list("auto_batches", [], "batch sizes at which to project method=auto "
                                   "(needs --gpu files with ar and chain at two batch sizes)")
@@ -134,7 +136,7 @@ def main(argv):
                          "and/or --cpu=FILE.json (CPU float32)")
   taus = {"paper": PAPER_TAU}
   if _TAU.value:
-    taus["measured"] = parse_tau(_TAU.value)
+    taus[_TAU_FROM.value] = parse_tau(_TAU.value)
   rows = []
   for path in _TPU.value:
     data = json.loads(open(path).read())

@@ -217,3 +217,28 @@ def test_a_kernel_without_the_name_counts_every_expert():
   hlo = _grouped_kernel_hlo(3, 2, False).replace("moe_grouped_3x2", "other_kernel")
   out = hlo_traffic.count(hlo, {0: "bounds", 1: "x", 2: "experts"})["program"]
   assert out["by_label"]["experts"] == 8 * EXPERT
+
+
+def test_a_fused_gate_up_kernel_counts_both_expert_operands_as_routed():
+  """gpu_grouped.swiglu's form: (bounds, source rows, tokens, gate, up), two stacked [E, in,
+  out] operands; each counts the experts 3 tokens of top 2 reach, the tokens and indices whole
+  (the tokens [3, 32], not a sorted copy)."""
+  target = ('"__gpu$xla.gpu.triton", backend_config={debug = false, grid_x = 8 : i32, '
+            'name = "moe_grouped_3x2", num_warps = 4 : i32}')
+  hlo = f"""HloModule k, entry_computation_layout={{(s32[9]{{0}}, s32[22]{{0}}, bf16[3,32]{{1,0}}, bf16[8,32,64]{{2,1,0}}, bf16[8,32,64]{{2,1,0}})->bf16[22,64]{{1,0}}}}
+
+ENTRY %main (b: s32[9], s: s32[22], x: bf16[3,32], g: bf16[8,32,64], u: bf16[8,32,64]) -> bf16[22,64] {{
+  %b = s32[9]{{0}} parameter(0)
+  %s = s32[22]{{0}} parameter(1)
+  %x = bf16[3,32]{{1,0}} parameter(2)
+  %g = bf16[8,32,64]{{2,1,0}} parameter(3)
+  %u = bf16[8,32,64]{{2,1,0}} parameter(4)
+  ROOT %k = bf16[22,64]{{1,0}} custom-call(%b, %s, %x, %g, %u), custom_call_target={target}
+}}
+"""
+  out = hlo_traffic.count(hlo, {0: "bounds", 1: "source", 2: "x", 3: "gate", 4: "up"})["program"]
+  reached = 8 * (1 - (1 - 2 / 8) ** 3)
+  assert out["by_label"]["gate"] == pytest.approx(reached * EXPERT)
+  assert out["by_label"]["up"] == pytest.approx(reached * EXPERT)
+  assert out["by_label"]["x"] == 3 * 32 * 2 and out["by_label"]["source"] == 22 * 4
+  assert out["by_label"]["activation"] == 22 * 64 * 2

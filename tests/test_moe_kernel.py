@@ -61,9 +61,30 @@ def test_experts_through_the_kernel_equal_numpy_experts(kernel):
   lib = gpu_grouped if kernel == "gpu" else tpu_grouped
   matmul = lambda *a: lib.grouped_matmul(*a, tokens=n, top_k=k, interpret=True)  # noqa: E731
   pad = gpu_grouped.PAD_ROWS if kernel == "gpu" else -(n * k) % tpu_grouped.row_tile(n * k)
-  got = moe.grouped(*map(jnp.asarray, (x, experts, wg, wu, wd)), matmul=matmul, pad=pad)
+  gate_up = (lambda *a: gpu_grouped.swiglu(*a, tokens=n, top_k=k, interpret=True)  # noqa: E731
+             ) if kernel == "gpu" else None
+  got = moe.grouped(*map(jnp.asarray, (x, experts, wg, wu, wd)), matmul=matmul, pad=pad,
+                    swiglu=gate_up)
   silu = lambda z: z / (1 + np.exp(-z))                                  # noqa: E731
   want = np.stack([[(silu(x[t] @ wg[j]) * (x[t] @ wu[j])) @ wd[j] for j in experts[t]]
                    for t in range(n)])
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
   assert gpu_grouped.tiles(h, i) and gpu_grouped.tiles(i, h) and not gpu_grouped.tiles(h, 100)
+
+
+@pytest.mark.parametrize("sizes", [(0, 3, 17, 0, 40, 1), (16, 0, 16, 0, 0, 0)])
+def test_fused_gate_up_equals_numpy(sizes):
+  """gpu_grouped.swiglu gathers each sorted row's token by index and runs gate and up
+  together: silu(x[source] wg[e]) * (x[source] wu[e]) per expert's rows, in numpy."""
+  rng = np.random.default_rng(sum(sizes) + 1)
+  sizes = np.asarray(sizes, np.int32)
+  e, n, din, dout = len(sizes), 11, 128, 192
+  m = int(sizes.sum())
+  x = rng.normal(size=(n, din)).astype(np.float32)
+  source = rng.integers(0, n, m + gpu_grouped.PAD_ROWS).astype(np.int32)
+  wg, wu = (rng.normal(size=(e, din, dout)).astype(np.float32) / 8 for _ in range(2))
+  got = gpu_grouped.swiglu(*map(jnp.asarray, (x, source, wg, wu, sizes)), interpret=True)[:m]
+  silu = lambda z: z / (1 + np.exp(-z))                                  # noqa: E731
+  rows = x[source[:m]]
+  want = silu(_numpy_grouped(rows, wg, sizes)) * _numpy_grouped(rows, wu, sizes)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)

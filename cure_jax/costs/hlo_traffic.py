@@ -31,7 +31,8 @@ because routing is invisible in the HLO:
 - a grouped-matmul kernel that skips unrouted experts (kernels/gpu_grouped.py's Triton kernel,
   megablox's gmm on TPUs through kernels/tpu_grouped.py; a Pallas custom call named or scoped
   `moe_grouped_{N}x{k}`) reads only the experts its N tokens of top-k route to, each once: its
-  weight operand (the last) counts as the experts N tokens reach under uniform routing,
+  stacked-expert operands (those of rank 3: [E, in, out]; gpu_grouped's swiglu has two) count
+  as the experts N tokens reach under uniform routing,
   E (1 - (1 - k / E)^N) of E (one token: exactly k), the routing rule of the MoE minimum.
 
 A while loop's body is one iteration (a nested loop counts its known trip count, else once).
@@ -469,9 +470,11 @@ class _Counter:
               [(self._label(labels, ins.operands[0]), n)])
     out = [(self._label(labels, o), hbm(shape(o))) for o in dict.fromkeys(ins.operands)]
     routed = _GROUPED.search(ins.attrs) if _PALLAS.search(ins.attrs) else None
-    if routed:                            # the experts operand (last): the routed ones only
-      (tokens, k), (label, n) = map(int, routed.groups()), out[-1]
-      out[-1] = (label, n * (1.0 - (1.0 - k / shape(ins.operands[-1])[0].dims[0]) ** tokens))
+    if routed:                            # the experts operands (rank 3): routed ones only
+      tokens, k = map(int, routed.groups())
+      stacked = [shape(o)[0].dims for o in dict.fromkeys(ins.operands)]
+      out = [(label, n * (1.0 - (1.0 - k / dims[0]) ** tokens) if len(dims) == 3 else n)
+             for (label, n), dims in zip(out, stacked)]
     result = _arrays(ins.shape)
     if op == "custom-call" and 'custom_call_target="__cublas' in ins.attrs and (
         isinstance(ins.shape, list) and result[-1].dtype == "s8" and len(result[-1].dims) == 1):

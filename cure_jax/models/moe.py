@@ -96,25 +96,28 @@ def gathered(x, experts, wg, wu, wd):
   return jnp.einsum("nki,nkih->nkh", jax.nn.silu(g) * u, wd[experts])
 
 
-def grouped(x, experts, wg, wu, wd, matmul=jax.lax.ragged_dot, pad: int = 0):
+def grouped(x, experts, wg, wu, wd, matmul=jax.lax.ragged_dot, pad: int = 0, swiglu=None):
   """x [N, H], experts [N, k] -> [N, k, H] through grouped matmuls (ragged_dot's contract) over
   rows sorted by expert; `pad` rows (copies of token 0) follow them for a matmul that wants
-  them (gpu_grouped's)."""
+  them (gpu_grouped's). swiglu(x, source, wg, wu, sizes), if given, computes the experts' first
+  half from the tokens and each sorted row's token `source` (no sorted copy of x)."""
   n, k = experts.shape
   flat = experts.reshape(-1)                                             # [N*k]
   order = jnp.argsort(flat, stable=True)
-  source = jnp.concatenate([order // k, jnp.zeros((pad,), order.dtype)])
-  rows = x[source]                                                       # [N*k + pad, H] sorted
+  source = jnp.concatenate([order // k, jnp.zeros((pad,), order.dtype)])  # [N*k + pad]
   sizes = jnp.bincount(flat, length=wg.shape[0]).astype(jnp.int32)       # [E]
-  g = matmul(rows, wg, sizes)                                            # [N*k + pad, I]
-  u = matmul(rows, wu, sizes)
-  y = matmul(jax.nn.silu(g) * u, wd, sizes)                              # [N*k + pad, H]
+  if swiglu is None:
+    rows = x[source]                                                     # [N*k + pad, H] sorted
+    h = jax.nn.silu(matmul(rows, wg, sizes)) * matmul(rows, wu, sizes)   # [N*k + pad, I]
+  else:
+    h = swiglu(x, source, wg, wu, sizes)
+  y = matmul(h, wd, sizes)                                               # [N*k + pad, H]
   return y[jnp.argsort(order)].reshape(n, k, -1)
 
 
 def mix(x, experts, weights, wg, wu, wd, gather: bool):
   """The weighted sum over each token's experts [N, H]. On NVIDIA GPUs every call goes through
-  gpu_grouped's kernel (routed experts read once, no copies: below both XLA lowerings); on TPUs
+  gpu_grouped's kernels (routed experts read once, no copies: below both XLA lowerings); on TPUs
   the grouped calls go through megablox's gmm (tpu_grouped), which skips unrouted experts."""
   n, k = experts.shape
   weigh = lambda y: jnp.einsum("nkh,nk->nh", y, weights)                 # noqa: E731
@@ -122,7 +125,9 @@ def mix(x, experts, weights, wg, wu, wd, gather: bool):
   platforms = {}
   if gpu_grouped.tiles(*wg.shape[1:]) and gpu_grouped.tiles(*wd.shape[1:]):
     gpu = functools.partial(gpu_grouped.grouped_matmul, tokens=n, top_k=k)
-    platforms["cuda"] = lambda *a: weigh(grouped(*a, matmul=gpu, pad=gpu_grouped.PAD_ROWS))
+    gate_up = functools.partial(gpu_grouped.swiglu, tokens=n, top_k=k)
+    platforms["cuda"] = lambda *a: weigh(grouped(*a, matmul=gpu, pad=gpu_grouped.PAD_ROWS,
+                                                 swiglu=gate_up))
   if not gather:
     tpu = functools.partial(tpu_grouped.grouped_matmul, tokens=n, top_k=k)
     pad = -(n * k) % tpu_grouped.row_tile(n * k)

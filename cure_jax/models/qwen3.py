@@ -95,9 +95,10 @@ class Attention(nnx.Module):
     with the chunk written in."""
     b, t, _ = x.shape
     cfg = self.cfg
-    q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = jax.lax.optimization_barrier((self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = cfg.rope(q, positions), cfg.rope(k, positions)

@@ -10,6 +10,11 @@ block of 16 of its rows (once, while decoding: N tokens x top_k slots over E exp
 about N * top_k / E rows an expert), its rows stream from the sorted input, and nothing is
 copied. jax ships no GPU grouped matmul (megablox's gmm is a TPU kernel).
 
+`swiglu` is the experts' first half in one kernel: it gathers each sorted row from the tokens
+itself (by index, nothing sorted is written) and runs gate and up together, writing only
+silu(gate) * up: a verify of 128 tokens x top 8 on H100 x 4 wrote and re-read a sorted copy
+of the rows [1040, 2048] and gate's and up's outputs per layer, 0.69 GB an iteration.
+
 It has no gradient and is tested on CPU in Pallas interpret mode against numpy
 (tests/test_moe_kernel.py).
 """
@@ -59,6 +64,37 @@ def _kernel(bounds_ref, x_ref, w_ref, o_ref, *, precision):
   jax.lax.fori_loop(0, pl.cdiv(end - start, _ROWS), row_block, start)
 
 
+def _swiglu_kernel(bounds_ref, source_ref, x_ref, wg_ref, wu_ref, o_ref, *, precision):
+  """One (expert e, block of output columns): silu(x[source] wg[e]) * (x[source] wu[e]) for the
+  expert's sorted rows, the tokens gathered by index row block by row block."""
+  e = pl.program_id(0)
+  start, end = bounds_ref[e], bounds_ref[e + 1]
+  din, cols = wg_ref.shape[1], pl.ds(pl.program_id(1) * _COLS, _COLS)
+
+  def row_block(r, carry):
+    first = start + r * _ROWS
+    valid = (first + jnp.arange(_ROWS) < end)[:, None]                   # [R, 1]
+    tokens = source_ref[pl.ds(first, _ROWS)][:, None]                    # [R, 1]
+
+    def depth(d, accs):
+      part = pl.ds(d * _DEPTH, _DEPTH)
+      x = plgpu.load(x_ref.at[tokens, d * _DEPTH + jnp.arange(_DEPTH)[None, :]], mask=valid,
+                     other=0)                                            # [R, DEPTH]
+      dot = lambda w: jax.lax.dot_general(x, w[e, part, cols], (((1,), (0,)), ((), ())),  # noqa: E731
+                                          precision=precision,
+                                          preferred_element_type=jnp.float32)
+      return accs[0] + dot(wg_ref), accs[1] + dot(wu_ref)
+
+    zeros = jnp.zeros((_ROWS, _COLS), jnp.float32)
+    g, u = jax.lax.fori_loop(0, din // _DEPTH, depth, (zeros, zeros))
+    g, u = (a.astype(o_ref.dtype).astype(jnp.float32) for a in (g, u))  # as matmuls return them
+    plgpu.store(o_ref.at[pl.ds(first, _ROWS), cols], (jax.nn.silu(g) * u).astype(o_ref.dtype),
+                mask=valid)
+    return carry
+
+  jax.lax.fori_loop(0, pl.cdiv(end - start, _ROWS), row_block, start)
+
+
 def name(tokens: int, top_k: int) -> str:
   """The name a grouped-matmul kernel carries into the compiled program (GPU: the Triton
   kernel's; TPU: the scope of megablox's), so that costs/hlo_traffic can charge only the experts
@@ -73,10 +109,8 @@ def grouped_matmul(rows, w, sizes, *, tokens: int = 1, top_k: int = 1, interpret
   jax.lax.ragged_dot(rows[:M], w, sizes). tokens and top_k (M = tokens x top_k) only name the
   kernel."""
   e, din, dout = w.shape
-  bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
-  precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None  # no TF32
   return pl.pallas_call(
-      functools.partial(_kernel, precision=precision),
+      functools.partial(_kernel, precision=_precision(rows.dtype)),
       out_shape=jax.ShapeDtypeStruct((rows.shape[0], dout), rows.dtype),
       grid=(e, dout // _COLS),
       in_specs=[pl.BlockSpec((e + 1,), lambda i, j: (0,)),
@@ -85,4 +119,34 @@ def grouped_matmul(rows, w, sizes, *, tokens: int = 1, top_k: int = 1, interpret
       out_specs=pl.BlockSpec((rows.shape[0], dout), lambda i, j: (0, 0)),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, name=name(tokens, top_k),
-  )(bounds, rows, w)
+  )(_bounds(sizes), rows, w)
+
+
+def swiglu(x, source, wg, wu, sizes, *, tokens: int = 1, top_k: int = 1,
+           interpret: bool = False):
+  """x [N, din] the tokens; source [M + PAD_ROWS] the token of each row sorted by expert (the
+  last PAD_ROWS any valid index); wg, wu [E, din, dout]; sizes [E] -> [M + PAD_ROWS, dout], the
+  first M as silu(ragged_dot(x[source[:M]], wg, sizes)) * ragged_dot(x[source[:M]], wu, sizes)."""
+  e, din, dout = wg.shape
+  return pl.pallas_call(
+      functools.partial(_swiglu_kernel, precision=_precision(x.dtype)),
+      out_shape=jax.ShapeDtypeStruct((source.shape[0], dout), x.dtype),
+      grid=(e, dout // _COLS),
+      in_specs=[pl.BlockSpec((e + 1,), lambda i, j: (0,)),
+                pl.BlockSpec(source.shape, lambda i, j: (0,)),
+                pl.BlockSpec(x.shape, lambda i, j: (0, 0)),
+                pl.BlockSpec((e, din, dout), lambda i, j: (0, 0, 0)),
+                pl.BlockSpec((e, din, dout), lambda i, j: (0, 0, 0))],
+      out_specs=pl.BlockSpec((source.shape[0], dout), lambda i, j: (0, 0)),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret, name=name(tokens, top_k),
+  )(_bounds(sizes), source.astype(jnp.int32), x, wg, wu)
+
+
+def _bounds(sizes):
+  """[E + 1] first sorted row of each expert, then the end."""
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
+
+
+def _precision(dtype):
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None    # no TF32
