@@ -242,3 +242,38 @@ ENTRY %main (b: s32[9], s: s32[22], x: bf16[3,32], g: bf16[8,32,64], u: bf16[8,3
   assert out["by_label"]["up"] == pytest.approx(reached * EXPERT)
   assert out["by_label"]["x"] == 3 * 32 * 2 and out["by_label"]["source"] == 22 * 4
   assert out["by_label"]["activation"] == 22 * 64 * 2
+
+
+SPLIT_K_HLO = """HloModule m, entry_computation_layout={(f32[8,16,40]{2,1,0})->bf16[16,8]{1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_slice (p0: f32[8,16,40]) -> bf16[16,8] {
+  %p0 = f32[8,16,40]{2,1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %r = f32[16,40]{1,0} reduce(%p0, %zero), dimensions={0}, to_apply=%add
+  %c = bf16[16,40]{1,0} convert(%r)
+  ROOT %sl = bf16[16,8]{1,0} slice(%c), slice={[0:16], [32:40]}
+}
+
+ENTRY %main (x: f32[8,16,40]) -> bf16[16,8] {
+  %x = f32[8,16,40]{2,1,0} parameter(0)
+  ROOT %f = bf16[16,8]{1,0} fusion(%x), kind=kLoop, calls=%fused_slice
+}
+"""
+
+
+def test_a_slice_of_a_reduced_partial_reads_its_columns_of_every_split():
+  """A fusion that reduces split-K partials [8, 16, 40] over the splits, converts and keeps
+  columns 32:40 reads those 8 columns of all 8 splits, not the whole partial; with the slice
+  taking everything it reads the whole."""
+  out = hlo_traffic.count(SPLIT_K_HLO, {0: "partial"})["program"]
+  assert out["by_label"]["partial"] == 8 * 16 * 8 * 4
+  assert out["by_label"]["activation"] == 16 * 8 * 2
+  whole = SPLIT_K_HLO.replace("[32:40]", "[0:40]").replace("bf16[16,8]", "bf16[16,40]")
+  assert hlo_traffic.count(whole, {0: "partial"})["program"]["by_label"]["partial"] == (
+      8 * 16 * 40 * 4)

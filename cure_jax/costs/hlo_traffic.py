@@ -11,7 +11,10 @@ whole operand even when the fusion only slices it. This module reads the optimiz
   (fusions are looked into, not recursed as control flow);
 - an operand or result counts when it lives in HBM (memory space 0); on-chip buffers are skipped
   and reported apart; async copies count their HBM end once;
-- slicing ops (dynamic-slice, slice, gather, also inside a fusion) read only what they produce;
+- slicing ops (dynamic-slice, slice, gather, also inside a fusion) read only what they produce,
+  and inside a fusion, through converts, unary elementwise ops and reductions before them, the
+  same share of those ops' input (XLA's loop emitter computes only the sliced elements: a slice
+  of a reduced split-K partial product reads its columns of every split, not the whole);
   in-place updates (dynamic-update-slice, scatter, also as a fusion's root) read and write only
   the update;
 - every byte is labelled by where its buffer comes from (the entry parameter it started as, e.g.
@@ -70,6 +73,9 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "partition-id", "replica-id", "opt-barrier", "optimization-barrier", "add-dependency",
          "domain", "iota"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
+# ops whose output element reads only its own position of the input (a reduce: its own position
+# of the kept dimensions): a slice of their result reads that share of their input
+_PER_ELEMENT = {"convert", "reduce", "negate", "exponential", "sqrt", "rsqrt", "tanh", "logistic"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}   # opcode -> operand index of the update
 _GROUPED = re.compile(gpu_grouped.NAME + r"(\d+)x(\d+)")
 _PALLAS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
@@ -335,6 +341,10 @@ class _Counter:
         total += sum(a.bytes for a in _arrays(u.shape))
       elif u.opcode == "bitcast":
         total += self._read_of(fused, u.name, full)
+      elif u.opcode in _PER_ELEMENT and u.operands[0] == name and all(
+          fused.by_name[o].opcode == "constant" for o in u.operands[1:]):
+        made = sum(a.bytes for a in _arrays(u.shape))      # the share of u's result read
+        total += full * self._read_of(fused, u.name, made) / made if made else full
       elif u.opcode == "fusion" and u.operands.count(name) == 1:
         inner = self.comps[_called(u.attrs, "calls")[0]]
         total += self._read_of(inner, inner.params[u.operands.index(name)].name, full)
