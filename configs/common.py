@@ -67,7 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
       cost_draft=0.0, cost_redraft=0.0, cost_verify_base=0.0, cost_verify_per_node=0.0))
   # method=auto: each iteration a goodput controller picks one of these node budgets (1 = a
   # plain target step) for the batch, by expected tokens per second (cure_jax/tree/controller.py).
-  # costs: seconds per budget; "" = timed on this device at start-up and cached.
+  # costs: seconds per budget; "" = timed on this device at start-up and cached. fallback: where
+  # no drafting budget could beat plain steps even if every draft were accepted, decode target-only.
   config.auto = ml_collections.ConfigDict(dict(budgets="1,4,8,16", costs="", decay=0.8,
-                                               explore_every=16, explore_overhead=0.02))
+                                               explore_every=16, explore_overhead=0.02,
+                                               fallback=True))
   return config

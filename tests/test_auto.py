@@ -32,7 +32,8 @@ def pair():
 def test_the_chosen_budget_is_what_the_target_verifies(pair, costs, every):
   target, drafter = pair
   batch = random_models.prompts(4, ARCH.vocab, 2)
-  gen = _auto(target, drafter, costs, explore_every=every, explore_overhead=100.0)
+  gen = _auto(target, drafter, costs, explore_every=every, explore_overhead=100.0,
+              fallback=False)
   for r in gen.generate(batch):
     for step, s in enumerate(r.stats):
       cheap = BUDGETS[costs.index(min(costs))]
@@ -49,10 +50,28 @@ def test_a_look_the_run_cannot_repay_is_not_taken(pair):
   every 49 iterations, more than a 16-token run has, so every iteration is a plain step (the
   parametrized test above sees the looks when the run can repay them)."""
   target, drafter = pair
-  gen = _auto(target, drafter, (1.0, 50.0, 60.0), explore_every=4, explore_overhead=1.0)
+  gen = _auto(target, drafter, (1.0, 50.0, 60.0), explore_every=4, explore_overhead=1.0,
+              fallback=False)
   assert gen.auto.explore_interval == 49 > gen.max_new_tokens
   for r in gen.generate(random_models.prompts(4, ARCH.vocab, 2)):
     assert [s["budget"] for s in r.stats] == [1] * len(r.stats)
+
+
+@pytest.mark.parametrize("costs, drafts", [((1.0, 3.5, 6.5), False), ((1.0, 2.9, 6.5), True),
+                                           ((1.0, 3.5, 5.9), True), ((1.0, 50.0, 60.0), False)])
+def test_auto_decodes_target_only_where_no_budget_can_pay(pair, costs, drafts):
+  """n nodes give at most n tokens: where C(n) >= n C(1) for every drafting budget n (3 and 6
+  here) auto runs the ar program (the same tokens as ar, no budget chosen); where one budget
+  could pay it runs the controlled loop."""
+  target, drafter = pair
+  batch = random_models.prompts(5, ARCH.vocab, 2)
+  gen = _auto(target, drafter, costs)
+  assert (gen.spec(64, batch=2).method == "auto") == drafts
+  assert controller.can_pay(controller.Settings(budgets=BUDGETS, costs=costs)) == drafts
+  got = gen.generate(batch)
+  want = Generator(target, None, method="ar", max_new_tokens=16).generate(batch)
+  assert [r.output_ids for r in got] == [r.output_ids for r in want]
+  assert any(s["budget"] for r in got for s in r.stats) == drafts
 
 
 def test_cost_curve_is_timed_once_and_cached(pair, tmp_path, monkeypatch):

@@ -121,6 +121,7 @@ class Generator:
     if block_size < 1:
       raise ValueError(f"block size {block_size} must be >= 1")
     self.auto = None
+    self._target_only: set[int] = set()   # batch sizes where auto decodes target-only
     if impl.controlled:  # the tree holds the largest budget
       self.auto = auto or controller.Settings()
       self.auto.validate()
@@ -154,6 +155,14 @@ class Generator:
     if spec.auto is not None and not spec.auto.costs:
       seconds = cost_curve.costs(self.graphdef, self.params, spec, batch)
       spec = dataclasses.replace(spec, auto=dataclasses.replace(spec.auto, costs=seconds))
+    if spec.auto is not None and spec.auto.fallback and not controller.can_pay(spec.auto):
+      if batch not in self._target_only:
+        self._target_only.add(batch)
+        print(f"cure_jax: auto at batch {batch}: no node budget of {spec.auto.budgets} can "
+              f"beat plain steps on costs {[round(c, 4) for c in spec.auto.costs]} even if "
+              "every draft were accepted; decoding target-only")
+      spec = decoding_spec("ar", None, self.max_new_tokens, max_len, self.stop_ids,
+                           sampling=self.sampling, prefill_chunk=self.prefill_chunk)
     if spec.online and not any(spec.cure.costs):
       c = cost_curve.online_costs(self.graphdef, self.params, spec, batch)
       spec = dataclasses.replace(spec, cure=dataclasses.replace(

@@ -190,7 +190,8 @@ def auto_settings(config) -> controller.Settings:
     settings = controller.Settings(budgets=_numbers(a.budgets, int),
                                    costs=_numbers(a.costs, float), decay=float(a.decay),
                                    explore_every=int(a.explore_every),
-                                   explore_overhead=float(a.explore_overhead))
+                                   explore_overhead=float(a.explore_overhead),
+                                   fallback=bool(a.fallback))
   except ValueError as e:
     raise ValueError(f"auto.budgets={a.budgets!r} / auto.costs={a.costs!r}: give comma-separated "
                      f"numbers ({e})") from e

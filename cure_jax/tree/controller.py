@@ -38,6 +38,7 @@ class Settings:
   decay: float = 0.8                        # running means: new = decay * old + (1-decay) * seen
   explore_every: int = 16                   # a plain target step becomes a draft this often,
   explore_overhead: float = 0.02            # or rarer: looking costs at most this fraction
+  fallback: bool = True                     # target-only where no budget can pay (can_pay)
 
   def validate(self) -> None:
     b = self.budgets
@@ -62,6 +63,17 @@ class Settings:
       return self.explore_every
     extra = drafting[0] / self.costs[0] - 1.0       # a look's cost beyond the plain step's
     return max(self.explore_every, math.ceil(extra / self.explore_overhead))
+
+
+def can_pay(cfg: Settings) -> bool:
+  """Whether some drafting budget could beat plain target steps on these costs even if every
+  draft were accepted: n nodes yield at most n tokens for C(B, n), a plain step one for C(B, 1).
+  Where none can (a compute-bound verifier at a large batch: on a 2-core CPU at batch 16, a
+  4-node budget cost 4.7 plain steps), the controlled loop could only lose its looks and its
+  larger step, so auto decodes target-only (Generator.spec)."""
+  if not cfg.costs or cfg.budgets[0] != 1:
+    return True
+  return any(n * cfg.costs[0] > c for n, c in zip(cfg.budgets[1:], cfg.costs[1:]))
 
 
 @struct.dataclass
