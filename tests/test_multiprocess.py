@@ -76,12 +76,14 @@ def test_decoding_across_processes_equals_one_process(decode_world, method, data
 
 
 def test_auto_across_processes_shares_process_0s_cost_curve(decode_world, tmp_path, monkeypatch):
-  """The processes time the cost curve; all compile process 0's, so the loop is one program."""
+  """The processes time the cost curve; all compile process 0's, so the loop is one program
+  (the controlled loop even where the curve says target-only would do: fallback off)."""
   monkeypatch.setenv("CURE_JAX_CACHE", str(tmp_path))   # an empty cache: the curve is timed
   root, target_dir, drafter_dir, want = decode_world
   out = root / "auto_2x4.json"
   status, log, _ = _launch(_decode_args(root, target_dir, drafter_dir, "auto", 2, 4, out,
                                         "--config.auto.budgets=1,3,6", "--config.cure.topk=3",
+                                        "--config.auto.fallback=false",   # the loop, whatever the costs
                                         f"--config.compilation_cache={tmp_path / 'xla'}"))
   assert status == 0, log[-6000:]
   assert [r["output_ids"] for r in json.loads(out.read_text())["results"]] == want
