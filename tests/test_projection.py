@@ -91,6 +91,24 @@ def test_auto_projection_picks_the_budget_with_the_most_tokens_per_second():
     assert row["auto_vs_ar"] == pytest.approx(want[row["auto_budget"]] / want[1])
 
 
+def test_an_moe_curve_adds_the_experts_its_tokens_reach():
+  """MoE records (8 GB of experts, 1/16 per token): each record's bytes less the experts its
+  batch x 16 tokens reach are linear in the batch; at batch 32 and 4 nodes the experts 128
+  tokens reach are added back, at batch 2 and 1 node those of 2 tokens."""
+  from cure_jax.costs import curve
+  moe = dict(experts=8e9, experts_per_token=1 / 16)
+  recs = tuple(dict(_auto_rec("chain", b, hbm), verify_tokens=16, weights=dict(
+      target=16e9, drafter=2e9, **moe)) for b, hbm in ((1, 12.0), (8, 19.0)))
+  reach = lambda n: 8e9 * (1 - (15 / 16) ** n)                           # noqa: E731
+  rest = [12e9 - reach(16), 19e9 - reach(128)]
+  for batch, nodes in ((32, 4), (2, 1), (8, 16)):
+    want = rest[0] + (rest[1] - rest[0]) * (batch - 1) / 7 + reach(batch * nodes)
+    assert curve.bytes_at(*recs, batch, nodes) == pytest.approx(want)
+  assert curve.bytes_at(*recs, 8) == pytest.approx(19e9)
+  dense = tuple(dict(r, weights=dict(target=16e9, drafter=2e9)) for r in recs)
+  assert curve.bytes_at(*dense, 32, 4) == pytest.approx(12e9 + 7e9 * 31 / 7)
+
+
 def test_auto_on_a_measured_curve_adds_the_draft_pass_to_every_drafting_budget(tmp_path):
   """Hand-computed on a curve as experiments.device_costs writes it: budget 1 costs the plain
   step alone, budget n the drafter pass plus the target over n nodes; a later file's batch

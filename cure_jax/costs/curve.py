@@ -7,7 +7,8 @@ and activations per row: the counts at batch 1 and 8 fix both terms). FLOPs are 
 2 × parameters × tokens (target: B × n nodes; drafter: B × its block), as for the projections.
 Time = max(bytes / bandwidth, FLOPs / peak) + launches × launch cost (cure_jax/costs/roofline).
 A budget n ≤ the block verifies the first n nodes of the draft: bytes of the chain program,
-FLOPs of n nodes. τ(n) for a prefix comes from a per-depth acceptance α fitted to a whole
+FLOPs of n nodes; for an MoE target the experts the batch's B x n tokens reach replace the
+chain program's (uniform routing, the counter's rule), the rest of its bytes linear in B. τ(n) for a prefix comes from a per-depth acceptance α fitted to a whole
 block's τ: τ(n) = Σ_{d<n} α^d (the bonus token included), the calibrated drafter's expectation.
 """
 
@@ -16,10 +17,24 @@ from __future__ import annotations
 from cure_jax.costs import roofline
 
 
-def bytes_at(rec_a: dict, rec_b: dict, batch: int) -> float:
-  """HBM bytes of one iteration at `batch`, linear through two records of other batch sizes."""
-  (b0, y0), (b1, y1) = ((r["batch"], r["iteration"]["hbm_bytes"]) for r in (rec_a, rec_b))
-  return y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
+def reached(rec: dict, tokens: int) -> float:
+  """Expert bytes `tokens` tokens reach under uniform routing, E (1 - (1 - k/E)^N) of the
+  experts (hlo_traffic's rule for grouped kernels); 0 for a dense target."""
+  w = rec["weights"]
+  return w.get("experts", 0.0) * (1.0 - (1.0 - w.get("experts_per_token", 0.0)) ** tokens)
+
+
+def bytes_at(rec_a: dict, rec_b: dict, batch: int, nodes: int | None = None) -> float:
+  """HBM bytes of one iteration at `batch` verifying `nodes` per row (default: what the records
+  verify), linear in the batch through two records of other batch sizes. For an MoE target
+  only the rest is linear: the experts the batch x nodes tokens reach are added by `reached`
+  (an MoE verify's cost is concave in its tokens)."""
+  verify = lambda r: r.get("verify_tokens", 1)                           # noqa: E731
+  (b0, y0), (b1, y1) = ((r["batch"], r["iteration"]["hbm_bytes"] - reached(r, r["batch"] *
+                                                                          verify(r)))
+                        for r in (rec_a, rec_b))
+  rest = y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
+  return rest + reached(rec_a, batch * (verify(rec_a) if nodes is None else nodes))
 
 
 def iteration_ms(recs: tuple[dict, dict], device: str, batch: int, nodes: int,
@@ -30,7 +45,7 @@ def iteration_ms(recs: tuple[dict, dict], device: str, batch: int, nodes: int,
   draft = 0.0 if recs[0]["method"] == "ar" else w.get("drafter", 0.0) * block_size
   flops = batch * (w["target"] * nodes + draft)
   launches = max(roofline.launch_ms(r, launch_us) for r in recs)
-  return roofline.iteration_ms(bytes_at(*recs, batch), flops, device) + launches
+  return roofline.iteration_ms(bytes_at(*recs, batch, nodes), flops, device) + launches
 
 
 def prefix_tau(block_tau: float, block_size: int, nodes: int) -> float:
