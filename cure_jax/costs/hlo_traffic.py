@@ -21,35 +21,20 @@ whole operand even when the fusion only slices it. This module reads the optimiz
   target weights, drafter weights, KV cache, other state) so weights are apart from the rest;
   buffers made inside the program are `activation`.
 
-Grouped matmuls (an MoE's experts, cure_jax/models/moe.py) follow from these rules, stated here
-because routing is invisible in the HLO:
-
-- a `ragged-dot` op, the custom call a TPU makes of it, and the dense dot over every expert a GPU
-  makes of it count their expert-weight operand whole, all experts whatever the routing: the
-  group sizes are runtime values, so for the first two this is an upper bound (exact for the
-  GPU's dense lowering, which does read every expert);
-- a gather of the routed experts' slices (moe.py's path for decode-size token counts) reads the
-  N x top_k slices it takes (an expert shared by two token-slots counts twice); unfused, its
-  result is an activation written once and read again by the matmul that uses it;
-- a grouped-matmul kernel that skips unrouted experts (kernels/gpu_grouped.py's Triton kernel,
-  megablox's gmm on TPUs through kernels/tpu_grouped.py; a Pallas custom call named or scoped
-  `moe_grouped_{N}x{k}`) reads only the experts its N tokens of top-k route to, each once: its
-  stacked-expert operands (those of rank 3: [E, in, out]; gpu_grouped's swiglu has two) count
-  as the experts N tokens reach under uniform routing,
-  E (1 - (1 - k / E)^N) of E (one token: exactly k), the routing rule of the MoE minimum.
+Grouped matmuls (an MoE's experts, models/moe.py), since routing is invisible in the HLO:
+- a `ragged-dot`, the custom call a TPU makes of it and the GPU's dense dot over every expert
+  count the experts whole (the group sizes are runtime values: an upper bound, exact on GPU);
+- a gather of routed experts' slices reads the N x top_k slices it takes;
+- a Pallas kernel named or scoped `moe_grouped_{N}x{k}` (kernels/gpu_grouped, tpu_grouped)
+  reads only routed experts, once: its stacked-expert operands (rank 3, [E, in, out]) count
+  the experts N tokens reach under uniform routing, E (1 - (1 - k / E)^N) of E.
 
 A while loop's body is one iteration (a nested loop counts its known trip count, else once).
 Bytes are logical (no tile padding), per device: an SPMD program is one device's program.
 
-On a GPU the same rules hold, with two more:
-
-- a cuBLAS call (`__cublas$...` custom-call) returns its workspace beside its result, a 1-D s8
-  scratch buffer of up to tens of MB that it need not touch; it is not counted;
-- the L2 cache (50 MB on an H100) is not modelled: an operand re-read by a later op counts
-  again even if it would still be in L2, so the count is an upper bound of HBM traffic;
-- a Pallas Triton kernel (`__gpu$xla.gpu.triton` custom-call) is a kernel like a TPU one, and
-  its operands count whole: gpu_attention's reads only the filled part of the cache, which the
-  HLO does not say, so here too the count is an upper bound.
+On a GPU, also: a cuBLAS call's 1-D s8 workspace result is scratch, not counted; the L2 cache
+(50 MB on an H100) is not modelled, so a re-read counts again (an upper bound); a Pallas Triton
+kernel's operands count whole (gpu_attention reads only the cache's filled part: upper bound).
 
 Kernels and host launches per iteration on a GPU come from XLA's thunk sequence instead
 (cure_jax/costs/launches.py): command buffers (CUDA graphs) are formed after the HLO passes.
