@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from cure_jax.models.cache import KVCache
@@ -197,9 +198,23 @@ class DFlash(nnx.Module):
       x = layer(x, positions, cache.k[i], cache.v[i], ctx_mask, block_mask)
     return self.norm(x)
 
-  def draft_logits(self, hidden, head):
-    """Float32 draft logits from block hidden states through the target's head."""
-    logits = head(hidden) * self.cfg.output_multiplier
+  def scale_logits(self, logits):
+    """The drafter's output multiplier and soft cap on head logits [..., N]."""
+    logits = logits * self.cfg.output_multiplier
     if self.cfg.logit_softcap:
       logits = jnp.tanh(logits / self.cfg.logit_softcap) * self.cfg.logit_softcap
     return logits
+
+  def draft_logits(self, hidden, target, vocab: tuple[int, ...] = ()):
+    """Float32 draft logits [..., V] of block hidden states [..., H] through the target's head.
+
+    vocab: sorted token ids the drafter may propose (empty: all). Only their N head rows are
+    read; every other token gets -inf, so argmax, top-k and sampling see probability 0 there
+    and the target's verification keeps the output exact.
+    """
+    if not vocab:
+      return self.scale_logits(target.logits(hidden))
+    ids = np.asarray(vocab, np.int32)
+    rows = self.scale_logits(target.logits_rows(hidden, ids))             # [..., N]
+    full = jnp.full(rows.shape[:-1] + (target.cfg.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., ids].set(rows, unique_indices=True, indices_are_sorted=True)

@@ -156,6 +156,15 @@ class Qwen3(nnx.Module):
     w = self.embed_tokens.embedding[...] if self.cfg.tie_embeddings else self.lm_head.kernel[...].T
     return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
 
+  def logits_rows(self, hidden, ids):
+    """Float32 logits [..., N] of the vocabulary entries ids [N] only: the head read is N of its
+    V rows (a drafter that scores a reduced vocabulary)."""
+    if self.cfg.tie_embeddings:
+      w = jnp.take(self.embed_tokens.embedding[...], ids, axis=0)           # [N, H]
+      return jnp.einsum("...h,nh->...n", hidden, w, preferred_element_type=jnp.float32)
+    w = jnp.take(self.lm_head.kernel[...], ids, axis=1)                     # [H, N]
+    return jnp.einsum("...h,hn->...n", hidden, w, preferred_element_type=jnp.float32)
+
   def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = ()):
     """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens], or a
     Prefix when the tokens are a prompt chunk (chunked prefill): then the output's k and v are
