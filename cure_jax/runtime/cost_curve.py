@@ -74,6 +74,11 @@ def _verifying(graphdef, spec: Spec, n: int):
   return run
 
 
+def draft_seconds(graphdef, params, spec: Spec, batch: int) -> float:
+  """Seconds of one drafter pass, the draft logits through the head included (median)."""
+  return _seconds(_drafting(graphdef, spec), params, _start(graphdef, params, spec, batch))
+
+
 def time_budgets(graphdef, params, spec: Spec, batch: int) -> dict:
   """Seconds of one drafter pass and of the target's pass over each budget's nodes."""
   st = _start(graphdef, params, spec, batch)
