@@ -213,6 +213,14 @@ def forward_program(graphdef, params, batch: int, max_len: int, mesh):
     return jax.jit(forward).lower(params, tokens, cache.k, cache.v, cache.lengths)
 
 
+def verify_tokens(case: Case, drafter) -> int:
+  """Tokens a row verifies per iteration: 1 (forward, ar), the block (chain), v_max (trees)."""
+  impl = methods.get(case.method)
+  if case.program == "forward" or impl.drafter_kind != "block":
+    return 1
+  return case.v_max or drafter.cfg.block_size
+
+
 def lower_case(case: Case, graphdef, params, config, mesh, drafter):
   """The lowered program of one case."""
   if case.program == "forward":
@@ -256,8 +264,9 @@ def launch_counts(dump: str, program: str) -> dict | None:
 
 
 def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = None,
-            options: dict[str, str] | None = None) -> dict:
-  """Compile one lowered program and read its costs."""
+            options: dict[str, str] | None = None, verify_tokens: int = 1) -> dict:
+  """Compile one lowered program and read its costs; verify_tokens: tokens a row verifies per
+  iteration (1 for ar and forward, the block for chain, the node budget for trees)."""
   t0 = time.perf_counter()
   compiled = decoding.compile_with(lowered, options)
   compile_s = time.perf_counter() - t0
@@ -274,7 +283,8 @@ def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = N
              argument_bytes=mem.argument_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
              output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
              xla_flops=float(cost.get("flops", 0.0)),
-             xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), weights=weights)
+             xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), weights=weights,
+             verify_tokens=verify_tokens)
   if case.program == "prefill":  # its loop is one chunk; traffic_record scales it to them all
     rec["prefill_chunks"] = prefill_chunks()
   if case.program == "decode":  # its output is the state: donation works when it aliases
@@ -312,16 +322,24 @@ def failure(case: Case, error: Exception) -> dict:
   return rec
 
 
-def traffic_bounds(case: Case, loop: dict, w: dict[str, float]) -> dict:
+def traffic_bounds(case: Case, loop: dict, w: dict[str, float], verify_tokens: int = 1) -> dict:
   """The issue's yardsticks for one iteration: ar / forward against weights + target KV; chain
-  against its minimum (target, drafter layers, one more lm_head read, both caches)."""
+  against its minimum (target, drafter layers, one more lm_head read, both caches). For an MoE
+  target also the MoE minimum: the same with only the experts the iteration's batch x
+  verify_tokens tokens route to, under uniform routing (hlo_traffic's rule for the GPU kernel)."""
   hbm = loop["hbm_bytes"]
   target_min = w["target"] + w["target_kv"]
   out = dict(per_chip_weights=w["target"], target_kv=w["target_kv"],
              hbm_over_weights=hbm / w["target"], hbm_over_weights_and_kv=hbm / target_min)
-  if methods.get(case.method).drafter_kind == "block":
+  block = methods.get(case.method).drafter_kind == "block"
+  if block:
     chain_min = target_min + w["drafter"] + w["lm_head"] + w["drafter_kv"]
     out.update(chain_minimum=chain_min, hbm_over_chain_minimum=hbm / chain_min)
+  if w.get("experts"):
+    tokens = case.batch * verify_tokens
+    unread = w["experts"] * (1.0 - w["experts_per_token"]) ** tokens
+    moe_min = (chain_min if block else target_min) - unread
+    out.update(moe_minimum=moe_min, moe_tokens=tokens, hbm_over_moe_minimum=hbm / moe_min)
   return out
 
 
@@ -340,6 +358,9 @@ def weight_bytes(target, drafter, mesh, batch: int, max_len: int) -> dict[str, f
 
   head = "embed_tokens" if target.cfg.tie_embeddings else "lm_head"
   out = dict(target=chip(target), lm_head=chip(target, head), target_kv=kv(target))
+  if target.cfg.moe:   # the experts, and the share of them one token routes to (top_k / E)
+    out.update(experts=chip(target, "experts"),
+               experts_per_token=target.cfg.moe.top_k / target.cfg.moe.num_experts)
   if drafter is not None:
     out.update(drafter=chip(drafter), drafter_kv=kv(drafter))
   return out
@@ -360,7 +381,7 @@ def traffic_record(rec: dict, text: str, labels: dict[int, str]) -> dict:
   case = Case(rec["program"], rec["method"], rec["batch"], rec["v_max"])
   return dict(rec, iteration=loop,
               outside_loops=traffic["outside_loops"] if traffic["loops"] else None,
-              bounds=traffic_bounds(case, loop, rec["weights"]))
+              bounds=traffic_bounds(case, loop, rec["weights"], rec.get("verify_tokens", 1)))
 
 
 def recount(output: str, dump: str) -> None:
@@ -429,7 +450,7 @@ def main(argv):
     meta["weights"] = weight_bytes(target, drafter, mesh, case.batch, _MAX_LEN.value)
     lowered = lower_case(case, graphdef, params, config, mesh, drafter)
     try:
-      rec = analyse(case, lowered, meta["weights"], dump, options)
+      rec = analyse(case, lowered, meta["weights"], dump, options, verify_tokens(case, drafter))
     except jax.errors.JaxRuntimeError as e:   # does not fit, or the compiler failed: on we go
       rec = failure(case, e)
       print(f"{case.name}: did not compile ({compiled_report.mb(rec['bytes_asked'])} MB of "

@@ -174,3 +174,46 @@ def test_a_gather_of_expert_slices_counts_the_slices_it_takes():
   out = hlo_traffic.count(GATHER_HLO, {0: "x", 1: "experts", 2: "ids"})["program"]
   assert out["by_label"]["experts"] == 2 * EXPERT
   assert out["by_label"]["activation"] == 2 * (2 * EXPERT) + 2 * 64 * 2
+
+
+def _grouped_kernel_hlo(tokens: int, top_k: int, tpu: bool) -> str:
+  """A grouped-matmul kernel's custom call as the compilers write it: on a GPU the Triton call
+  (bounds, rows padded by 16, experts) named in backend_config; on a TPU megablox's call
+  (metadata, rows padded to a tile, experts) under the named scope in its op_name."""
+  padded = tokens * top_k + 16
+  target = ((f'"tpu_custom_call", backend_config={{"flag_configs":[]}}, metadata={{op_name='
+                    f'"jit(f)/moe_grouped_{tokens}x{top_k}/jit(gmm)/pallas_call"}}')
+                   if tpu else
+                   (f'"__gpu$xla.gpu.triton", backend_config={{debug = false, grid_x = 8 : i32, '
+                    f'name = "moe_grouped_{tokens}x{top_k}", num_warps = 4 : i32}}'))
+  return f"""HloModule k, entry_computation_layout={{(s32[9]{{0}}, bf16[{padded},32]{{1,0}}, bf16[8,32,64]{{2,1,0}})->bf16[{padded},64]{{1,0}}}}
+
+ENTRY %main (b: s32[9], x: bf16[{padded},32], w: bf16[8,32,64]) -> bf16[{padded},64] {{
+  %b = s32[9]{{0}} parameter(0)
+  %x = bf16[{padded},32]{{1,0}} parameter(1)
+  %w = bf16[8,32,64]{{2,1,0}} parameter(2)
+  ROOT %k = bf16[{padded},64]{{1,0}} custom-call(%b, %x, %w), custom_call_target={target}
+}}
+"""
+
+
+@pytest.mark.parametrize("tokens,top_k,tpu", [(1, 2, False), (3, 2, False), (8, 1, True),
+                                              (1, 2, True)])
+def test_a_grouped_kernel_counts_the_experts_its_tokens_route_to(tokens, top_k, tpu):
+  """Uniform routing: N tokens of top_k reach 8 (1 - (1 - top_k / 8)^N) of 8 experts — one
+  token exactly top_k; the other operands and the result whole; a Pallas kernel."""
+  out = hlo_traffic.count(_grouped_kernel_hlo(tokens, top_k, tpu),
+                          {0: "bounds", 1: "x", 2: "experts"})["program"]
+  reached = 8 * (1 - (1 - top_k / 8) ** tokens)
+  assert out["by_label"]["experts"] == pytest.approx(reached * EXPERT)
+  assert out["by_label"]["x"] == (tokens * top_k + 16) * 32 * 2
+  assert out["kernels"] == 1
+  if tokens == 1:
+    assert out["by_label"]["experts"] == pytest.approx(top_k * EXPERT)
+
+
+def test_a_kernel_without_the_name_counts_every_expert():
+  """Any other Pallas call: operands whole (the upper bound)."""
+  hlo = _grouped_kernel_hlo(3, 2, False).replace("moe_grouped_3x2", "other_kernel")
+  out = hlo_traffic.count(hlo, {0: "bounds", 1: "x", 2: "experts"})["program"]
+  assert out["by_label"]["experts"] == 8 * EXPERT

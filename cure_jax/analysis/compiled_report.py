@@ -29,6 +29,7 @@ def markdown(meta: dict, records: list[dict]) -> str:
                if "drafter" in meta["weights"] else "") + "." + (
                f" XLA options: {meta['compiler_options']}." if meta.get("compiler_options")
                else ""), ""]
+  moe = any("hbm_over_moe_minimum" in r.get("bounds", {}) for r in records)
   rows = []
   for r in (r for r in records if not r.get("failed")):
     it = r["iteration"]
@@ -42,11 +43,13 @@ def markdown(meta: dict, records: list[dict]) -> str:
                  gb(r["xla_bytes_accessed"]),
                  gb(it["hbm_bytes"]), gb(weights), gb(it["on_chip_bytes_skipped"]),
                  f"{b['hbm_over_weights_and_kv']:.3f}",
-                 f"{b['hbm_over_chain_minimum']:.3f}" if "hbm_over_chain_minimum" in b else ""])
+                 f"{b['hbm_over_chain_minimum']:.3f}" if "hbm_over_chain_minimum" in b else ""] +
+                ([f"{b['hbm_over_moe_minimum']:.3f}" if "hbm_over_moe_minimum" in b else ""]
+                 if moe else []))
   lines.append(report.md_table(
       ["program", "compile s", "args GB", "temp GB", "out GB", "state aliased", "collectives",
        "fusions", "kernels (launches)", "XLA GFLOP", "XLA GB", "HBM GB", "of which weights", "on-chip GB skipped",
-       "HBM / (W + KV)", "HBM / chain min"], rows))
+       "HBM / (W + KV)", "HBM / chain min"] + (["HBM / MoE min"] if moe else []), rows))
   failed = [r for r in records if r.get("failed")]
   if failed:
     lines += ["", "Did not compile:", ""] + [
@@ -59,7 +62,10 @@ def markdown(meta: dict, records: list[dict]) -> str:
             "are its cost analysis of the whole module; HBM GB counts the HBM side of each "
             "top-level op of the optimized HLO (cure_jax/costs/hlo_traffic.py): on-chip buffers and "
             "the parts of operands that slices do not read are not counted, which is why it is "
-            "below XLA's bytes accessed.", ""]
+            "below XLA's bytes accessed." + (
+                " MoE min: ar's or chain's minimum with only the experts the iteration's tokens "
+                "reach under uniform routing, E (1 - (1 - k / E)^N) of E for N = batch x tokens "
+                "verified per row." if moe else ""), ""]
   return "\n".join(lines) + "\n"
 
 

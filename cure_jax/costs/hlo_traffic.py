@@ -27,7 +27,12 @@ because routing is invisible in the HLO:
   GPU's dense lowering, which does read every expert);
 - a gather of the routed experts' slices (moe.py's path for decode-size token counts) reads the
   N x top_k slices it takes (an expert shared by two token-slots counts twice); unfused, its
-  result is an activation written once and read again by the matmul that uses it.
+  result is an activation written once and read again by the matmul that uses it;
+- a grouped-matmul kernel that skips unrouted experts (kernels/gpu_grouped.py's Triton kernel,
+  megablox's gmm on TPUs through kernels/tpu_grouped.py; a Pallas custom call named or scoped
+  `moe_grouped_{N}x{k}`) reads only the experts its N tokens of top-k route to, each once: its
+  weight operand (the last) counts as the experts N tokens reach under uniform routing,
+  E (1 - (1 - k / E)^N) of E (one token: exactly k), the routing rule of the MoE minimum.
 
 A while loop's body is one iteration (a nested loop counts its known trip count, else once).
 Bytes are logical (no tile padding), per device: an SPMD program is one device's program.
@@ -52,6 +57,8 @@ import collections
 import dataclasses
 import re
 
+from cure_jax.models.kernels import gpu_grouped
+
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
                "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8,
                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
@@ -63,6 +70,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "domain", "iota"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}   # opcode -> operand index of the update
+_GROUPED = re.compile(gpu_grouped.NAME + r"(\d+)x(\d+)")
 _PALLAS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
 ACTIVATION = "activation"
 
@@ -460,6 +468,10 @@ class _Counter:
       return ([(self._label(labels, o), hbm(shape(o))) for o in ins.operands[1:]] +
               [(self._label(labels, ins.operands[0]), n)])
     out = [(self._label(labels, o), hbm(shape(o))) for o in dict.fromkeys(ins.operands)]
+    routed = _GROUPED.search(ins.attrs) if _PALLAS.search(ins.attrs) else None
+    if routed:                            # the experts operand (last): the routed ones only
+      (tokens, k), (label, n) = map(int, routed.groups()), out[-1]
+      out[-1] = (label, n * (1.0 - (1.0 - k / shape(ins.operands[-1])[0].dims[0]) ** tokens))
     result = _arrays(ins.shape)
     if op == "custom-call" and 'custom_call_target="__cublas' in ins.attrs and (
         isinstance(ins.shape, list) and result[-1].dtype == "s8" and len(result[-1].dims) == 1):

@@ -38,9 +38,9 @@ class ArDraft(Method):
     draft, q_main, dcache = draft_tokens(drafter, dcache, spec, key_main, anchor, lengths)
     return path_proposal(spec, anchor, draft, q_main, limit), dcache
 
-  def resync(self, drafter, dcache, spec, verified, lengths, count):
+  def resync(self, drafter, dcache, spec, verified, lengths, count, plain=None):
     """Its cache already holds the drafts; keep the accepted ones."""
-    del drafter, spec, verified
+    del drafter, spec, verified, plain
     return dcache.replace(lengths=lengths + count)
 
 

@@ -1,8 +1,11 @@
 """The Qwen3-MoE sparse MLP: a softmax router picks top_k of num_experts SwiGLU experts per token.
 
 Experts are stacked ([E, in, out] kernels) and run as grouped matmuls, never as a Python loop
-over experts nor as one dense pass through all of them. Two lowerings, chosen by the static
-token count N (batch x tokens of the call):
+over experts nor as one dense pass through all of them. On NVIDIA GPUs every call is
+kernels/gpu_grouped's Triton grouped matmul over rows sorted by expert (only routed experts'
+weights are read, once, and nothing is copied); on TPUs the grouped calls below are megablox's
+gmm (kernels/tpu_grouped), which skips experts no row routes to. Otherwise two lowerings, chosen
+by the static token count N (batch x tokens of the call):
 
 * 3 * N * top_k > num_experts (prefill, verification of blocks and trees): tokens are sorted by
   expert and the three projections are `jax.lax.ragged_dot` over the sorted rows with
@@ -33,6 +36,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from cure_jax.models.axes import DATA, MODEL
+from cure_jax.models.kernels import gpu_grouped, tpu_grouped
 from cure_jax.models.layers import linear
 
 
@@ -92,23 +96,40 @@ def gathered(x, experts, wg, wu, wd):
   return jnp.einsum("nki,nkih->nkh", jax.nn.silu(g) * u, wd[experts])
 
 
-def grouped(x, experts, wg, wu, wd):
-  """x [N, H], experts [N, k] -> [N, k, H] through ragged_dot over rows sorted by expert."""
+def grouped(x, experts, wg, wu, wd, matmul=jax.lax.ragged_dot, pad: int = 0):
+  """x [N, H], experts [N, k] -> [N, k, H] through grouped matmuls (ragged_dot's contract) over
+  rows sorted by expert; `pad` rows (copies of token 0) follow them for a matmul that wants
+  them (gpu_grouped's)."""
   n, k = experts.shape
   flat = experts.reshape(-1)                                             # [N*k]
   order = jnp.argsort(flat, stable=True)
-  rows = x[order // k]                                                   # [N*k, H] sorted
+  source = jnp.concatenate([order // k, jnp.zeros((pad,), order.dtype)])
+  rows = x[source]                                                       # [N*k + pad, H] sorted
   sizes = jnp.bincount(flat, length=wg.shape[0]).astype(jnp.int32)       # [E]
-  g = jax.lax.ragged_dot(rows, wg, sizes)                                # [N*k, I]
-  u = jax.lax.ragged_dot(rows, wu, sizes)
-  y = jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, sizes)                  # [N*k, H]
+  g = matmul(rows, wg, sizes)                                            # [N*k + pad, I]
+  u = matmul(rows, wu, sizes)
+  y = matmul(jax.nn.silu(g) * u, wd, sizes)                              # [N*k + pad, H]
   return y[jnp.argsort(order)].reshape(n, k, -1)
 
 
 def mix(x, experts, weights, wg, wu, wd, gather: bool):
-  """The weighted sum over each token's experts [N, H]."""
-  return jnp.einsum("nkh,nk->nh", (gathered if gather else grouped)(x, experts, wg, wu, wd),
-                    weights)
+  """The weighted sum over each token's experts [N, H]. On NVIDIA GPUs every call goes through
+  gpu_grouped's kernel (routed experts read once, no copies: below both XLA lowerings); on TPUs
+  the grouped calls go through megablox's gmm (tpu_grouped), which skips unrouted experts."""
+  n, k = experts.shape
+  weigh = lambda y: jnp.einsum("nkh,nk->nh", y, weights)                 # noqa: E731
+  xla = lambda *a: weigh((gathered if gather else grouped)(*a))          # noqa: E731
+  platforms = {}
+  if gpu_grouped.tiles(*wg.shape[1:]) and gpu_grouped.tiles(*wd.shape[1:]):
+    gpu = functools.partial(gpu_grouped.grouped_matmul, tokens=n, top_k=k)
+    platforms["cuda"] = lambda *a: weigh(grouped(*a, matmul=gpu, pad=gpu_grouped.PAD_ROWS))
+  if not gather:
+    tpu = functools.partial(tpu_grouped.grouped_matmul, tokens=n, top_k=k)
+    pad = -(n * k) % tpu_grouped.row_tile(n * k)
+    platforms["tpu"] = lambda *a: weigh(grouped(*a, matmul=tpu, pad=pad))
+  if not platforms:
+    return xla(x, experts, wg, wu, wd)
+  return jax.lax.platform_dependent(x, experts, wg, wu, wd, **platforms, default=xla)
 
 
 class SparseMoE(nnx.Module):

@@ -230,20 +230,16 @@ def _first_rows(verified: Verified, rows: int) -> Verified:
 def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified,
            plain=None) -> State:
   """Phase 3: accepted keys/values into the target cache, drafter resync, outputs, stats.
-  plain [] (auto): a plain target step, whose drafter resync takes the root's one row, not the
-  block's K (only the small drafter cache passes through that lax.cond: a cond over the target
-  cache would copy it every iteration)."""
+  plain [] (auto): a plain target step, whose drafter resync need compute the root's one row
+  only (Method.resync)."""
   active = ~st.done
   lengths = st.cache.lengths
   emitted, n_new, hit_stop = _emitted(spec, st, proposal.tree, verdict)
   count = jnp.where(active, verdict.accepted + 1, 0)  # committed nodes: root + accepted
   cache = commit_target(st.cache, verified, count)
   if dcache is not None:  # an inactive sequence keeps its drafter state
-    def resync(rows: int):
-      return lambda: spec.impl.resync(drafter, dcache, spec, _first_rows(verified, rows),
-                                      lengths, count)
-    dcache = (resync(spec.block_size)() if plain is None
-              else jax.lax.cond(plain, resync(1), resync(spec.block_size)))
+    dcache = spec.impl.resync(drafter, dcache, spec, _first_rows(verified, spec.block_size),
+                              lengths, count, plain)
     dcache = dcache.replace(lengths=jnp.where(active, dcache.lengths, st.dcache.lengths))
   i = jnp.arange(spec.block_size)[None]
   slots = jnp.where(i < n_new[:, None], st.produced[:, None] + i, st.tokens.shape[1])
