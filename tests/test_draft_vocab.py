@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from cure_jax.analysis import random_models
-from cure_jax.runtime import draft_vocab
+from cure_jax.runtime import cost_curve, decoding, draft_vocab
 from cure_jax.runtime.generation import Generator
 from cure_jax.tree import repair, sampling
 
@@ -99,6 +100,21 @@ def test_draft_logits_keep_the_subset_and_give_the_rest_minus_inf():
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["lm_head", "tied"])
+def test_held_head_rows_give_the_same_draft_logits(tie):
+  """hold_head_rows (decoding.decode, once before its loop) against a gather per call; held rows
+  of another vocabulary are not used."""
+  target, drafter = random_models.pair(dataclasses.replace(ARCH, tie=tie), 0)
+  hidden = jnp.asarray(np.random.default_rng(4).standard_normal((2, 5, ARCH.hidden)), jnp.float32)
+  vocab = (0, 4, 5, 12)
+  want = np.asarray(drafter.draft_logits(hidden, target, vocab))
+  drafter.hold_head_rows(target, vocab)
+  np.testing.assert_array_equal(drafter.draft_logits(hidden, target, vocab), want)
+  other = (1, 2, 3)
+  np.testing.assert_allclose(drafter.draft_logits(hidden, target, other)[..., other],
+                             target.logits(hidden)[..., other], rtol=1e-5, atol=1e-5)
+
+
 def test_minus_inf_makes_no_nan_downstream():
   """Margins, the gate's alternatives, log q and the sampling warp over logits that are -inf
   outside a 3-token subset: finite where they should be, never NaN, nothing outside chosen."""
@@ -131,3 +147,17 @@ def test_a_vocabulary_smaller_than_the_tree_settings_is_rejected():
     Generator(target, drafter, method="chain", max_new_tokens=4, draft_vocab=(3, 1))
   with pytest.raises(ValueError, match="drafter.vocab=1 is too small"):
     Generator(target, drafter, method="chain", max_new_tokens=4, draft_vocab=(3,))
+
+
+def test_the_timed_drafter_pass_drafts_what_the_loop_drafts():
+  """cost_curve's drafter pass takes the head rows gathered beforehand (as decoding.decode's
+  loop does, so C_d excludes the gather): the same proposal as a pass that gathers them."""
+  target, drafter = random_models.pair(ARCH, 0)
+  gen = Generator(target, drafter, method="chain", max_new_tokens=4, draft_vocab=(0, 3, 5, 9))
+  spec = gen.spec(gen.cache_len(8))
+  st = cost_curve._start(gen.graphdef, gen.params, spec, 2)
+  held = cost_curve._drafting(gen.graphdef, gen.params, spec)(gen.params, st)
+  t, d = nnx.merge(gen.graphdef, gen.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), held,
+               decoding.propose(t, d, spec, st)[0])   # the tokens equal, the floats as jit does
+  assert cost_curve.draft_seconds(gen.graphdef, gen.params, spec, 2) > 0

@@ -4,9 +4,9 @@ For each N (drafter.vocab; 0 = the whole vocabulary): C_d, one timed drafter pas
 (cure_jax/runtime/cost_curve.py), and τ / TPOT / ms per iteration of chain and ddtree on
 held-out HumanEval problems beside target-only ar in the same run. A smaller N reads fewer head
 rows and can only lower τ (a token outside the subset is never drafted); every output must
-equal ar's. C_d timed alone includes gathering the N head rows; in the decoding loop XLA hoists
-that gather out of the loop (once per generate call), so a large N costs less there than its
-C_d says: compare the iteration times.
+equal ar's. The N head rows are gathered once per generate call, before the decoding loop
+(decoding.decode), and C_d is timed the same way (cost_curve.draft_seconds), so it is the
+pass's cost inside the loop.
 """
 
 from __future__ import annotations
