@@ -231,19 +231,14 @@ def draft_vocab_ids(config, drafter_dir: str, vocab_size: int) -> tuple[tuple[in
   counts file (drafter.vocab_counts, else token_counts.npz in the drafter directory), or with
   --synthetic_vocab N seeded-random ids, which stand in for a compile-only count only."""
   n = int(config.drafter.vocab)
-  draft_vocab_lib.check_size(n, vocab_size)
-  if not n:
-    return (), "all"
-  if _SYNTHETIC_VOCAB.value:
-    ids = np.random.default_rng(0).choice(vocab_size, n, replace=False)
-    return tuple(sorted(int(i) for i in ids)), ("synthetic: seeded-random ids (compile-only; "
-                                                "not the most frequent tokens)")
+  if n and _SYNTHETIC_VOCAB.value:
+    return draft_vocab_lib.synthetic(n, vocab_size), draft_vocab_lib.SYNTHETIC
   counts = config.drafter.vocab_counts or str(Path(drafter_dir) / draft_vocab_lib.COUNTS_FILE)
-  if not Path(counts).is_file():
+  if n and not Path(counts).is_file():
     raise app.UsageError(f"drafter.vocab={n}: no token counts at {counts}; set "
                          "--config.drafter.vocab_counts, or --synthetic_vocab for a compile-only "
                          "count")
-  return draft_vocab_lib.load(counts, n, vocab_size), counts
+  return draft_vocab_lib.load(counts, n, vocab_size), counts if n else "all"
 
 
 def lower_case(case: Case, graphdef, params, config, mesh, drafter, draft_vocab=()):

@@ -64,6 +64,17 @@ def check(ids: tuple[int, ...], vocab_size: int) -> None:
     raise ValueError(f"the draft vocabulary must be distinct ascending ids in 0..{vocab_size - 1}")
 
 
+SYNTHETIC = "synthetic: seeded-random ids (compile-only; not the most frequent tokens)"
+
+
+def synthetic(n: int, vocab_size: int) -> tuple[int, ...]:
+  """n seeded-random ids in ascending order: a stand-in for the n most frequent tokens in a
+  compile-only cost count (experiments.aot --synthetic_vocab; the bytes read depend on n, not on
+  which rows), never for decoding."""
+  check_size(n, vocab_size)
+  return tuple(sorted(int(i) for i in np.random.default_rng(0).choice(vocab_size, n, False)))
+
+
 def load(path: str, n: int, vocab_size: int) -> tuple[int, ...]:
   """The n most frequent tokens of the counts file at `path`; () for n = 0 (all of them)."""
   check_size(n, vocab_size)
