@@ -16,8 +16,8 @@ DFlash, float32, CPU), one drafter pass's cost C_d and τ of chain and ddtree on
 <output> and its .md atomically, and fails if any output differs from ar's. project: chain's
 iteration time and TPOT per draft vocabulary from GPU compiles (experiments.aot, one file per
 topology and drafter.vocab, --synthetic_vocab where the target has no counts), priced as
-experiments.projection prices them, at the paper's chain τ for every N (a smaller N can only
-lower τ: the table gives the τ at which it stops paying).
+experiments.projection prices them, at the paper's chain τ for every N (a smaller N mostly
+lowers τ: the table gives the τ at which it stops paying).
 """
 
 import json
@@ -119,7 +119,7 @@ def project(config) -> None:
         "\n\nPer iteration: HBM bytes of the compiled decode loop's body (cure_jax/costs/"
         "hlo_traffic.py); time = max(bytes / bandwidth, FLOPs / peak) + launches x "
         f"{roofline.LAUNCH_US} µs (experiments/projection.py's rule). τ: the paper's chain τ "
-        "for every N, which a reduced vocabulary can only lower; the last column is the τ at "
+        "for every N, which a reduced vocabulary mostly lowers; the last column is the τ at "
         "which N gives the full head's TPOT. The ids of a reduced N are synthetic (seeded random, "
         "experiments.aot --synthetic_vocab): the bytes depend on N, not on which rows.\n")
   report.write_text(str(output.with_suffix(".md")), md)

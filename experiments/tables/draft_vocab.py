@@ -3,7 +3,8 @@
 For each N (drafter.vocab; 0 = the whole vocabulary): C_d, one timed drafter pass with its head
 (cure_jax/runtime/cost_curve.py), and τ / TPOT / ms per iteration of chain and ddtree on
 held-out HumanEval problems beside target-only ar in the same run. A smaller N reads fewer head
-rows and can only lower τ (a token outside the subset is never drafted); every output must
+rows; τ mostly falls (a token outside the subset is never drafted; but a subset's best token
+can also hit where the full argmax missed, and a tree's alternatives change); every output must
 equal ar's. The N head rows are gathered once per generate call, before the decoding loop
 (decoding.decode), and C_d is timed the same way (cost_curve.draft_seconds), so it is the
 pass's cost inside the loop.
