@@ -27,6 +27,12 @@ def base_config() -> ml_collections.ConfigDict:
       gamma=4,                      # ar_draft: drafted tokens per iteration
       window=0,                     # DFlash: the drafter sees the last `window` context
                                     # positions plus its block; 0 = the whole context
+      vocab=0,                      # DFlash: 0 = the whole vocabulary; N: the drafter scores
+                                    # only the N most frequent tokens of the target's own
+                                    # outputs on its training data (lossless: the target
+                                    # verifies; cure_jax/runtime/draft_vocab.py)
+      vocab_counts="",              # token counts file (.npz with `counts` [V] int); "" =
+                                    # token_counts.npz next to the drafter's weights
   ))
   config.dtype = "float32"          # parameter dtype: float32 | bfloat16
   config.prompts = ""               # JSONL: {"prompt": text} or {"prompt_ids": [ints]} per line

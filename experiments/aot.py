@@ -47,7 +47,7 @@ from ml_collections import config_flags
 from cure_jax.checkpoints import dflash as convert_dflash, qwen3 as convert_qwen3
 from cure_jax.checkpoints.store import read_hf_config
 from cure_jax import methods
-from cure_jax.runtime import decoding, errors, pipeline, sharding
+from cure_jax.runtime import decoding, draft_vocab as draft_vocab_lib, errors, pipeline, sharding
 from cure_jax.models.cache import KVCache
 from cure_jax.runtime.generation import decoding_spec, platform_prefill_chunk
 from cure_jax.costs import gpu_targets, hlo_traffic, launches
@@ -73,6 +73,11 @@ _OUTPUT = flags.DEFINE_string("output", "results/aot/qwen3_8b", "output path wit
 _DUMP_HLO = flags.DEFINE_string("dump_hlo", "", "folder: also write each optimized HLO module")
 _OPTIONS = flags.DEFINE_list("compiler_options", [], "XLA options for every compile, name=value "
                              "(e.g. xla_gpu_experimental_force_split_k=1), kept in the report")
+_SYNTHETIC_VOCAB = flags.DEFINE_bool("synthetic_vocab", False, "with --config.drafter.vocab=N "
+                                      "and no token counts for this target: N seeded-random "
+                                      "token ids stand in for the N most frequent, for the "
+                                      "compile-only count (the bytes read depend on N, not on "
+                                      "which ids); the report says so")
 _RECOUNT = flags.DEFINE_bool("recount", False, "compile nothing: recount the HLO modules a run "
                              "dumped into --dump_hlo and rewrite its --output report")
 
@@ -221,8 +226,23 @@ def verify_tokens(case: Case, drafter) -> int:
   return case.v_max or drafter.cfg.block_size
 
 
-def lower_case(case: Case, graphdef, params, config, mesh, drafter):
-  """The lowered program of one case."""
+def draft_vocab_ids(config, drafter_dir: str, vocab_size: int) -> tuple[tuple[int, ...], str]:
+  """The draft vocabulary of config.drafter.vocab (() for 0) and where its ids came from: the
+  counts file (drafter.vocab_counts, else token_counts.npz in the drafter directory), or with
+  --synthetic_vocab N seeded-random ids, which stand in for a compile-only count only."""
+  n = int(config.drafter.vocab)
+  if n and _SYNTHETIC_VOCAB.value:
+    return draft_vocab_lib.synthetic(n, vocab_size), draft_vocab_lib.SYNTHETIC
+  counts = config.drafter.vocab_counts or str(Path(drafter_dir) / draft_vocab_lib.COUNTS_FILE)
+  if n and not Path(counts).is_file():
+    raise app.UsageError(f"drafter.vocab={n}: no token counts at {counts}; set "
+                         "--config.drafter.vocab_counts, or --synthetic_vocab for a compile-only "
+                         "count")
+  return draft_vocab_lib.load(counts, n, vocab_size), counts if n else "all"
+
+
+def lower_case(case: Case, graphdef, params, config, mesh, drafter, draft_vocab=()):
+  """The lowered program of one case; draft_vocab: the ids a block drafter may propose."""
   if case.program == "forward":
     return forward_program(graphdef, params, case.batch, _MAX_LEN.value, mesh)
   impl = methods.get(case.method)
@@ -234,7 +254,7 @@ def lower_case(case: Case, graphdef, params, config, mesh, drafter):
   new_tokens = _MAX_LEN.value - _PROMPT.value
   spec = decoding_spec(case.method, drafter, new_tokens, _MAX_LEN.value, (), k, cure,
                        prefill_chunk=int(config.prefill_chunk),
-                       drafter_window=int(config.drafter.window))
+                       drafter_window=int(config.drafter.window), draft_vocab=draft_vocab)
   pre, dec = decoding.lower_sharded(graphdef, params, spec, case.batch, _PROMPT.value, mesh)
   return pre if case.program == "prefill" else dec
 
@@ -332,8 +352,8 @@ def traffic_bounds(case: Case, loop: dict, w: dict[str, float], verify_tokens: i
   out = dict(per_chip_weights=w["target"], target_kv=w["target_kv"],
              hbm_over_weights=hbm / w["target"], hbm_over_weights_and_kv=hbm / target_min)
   block = methods.get(case.method).drafter_kind == "block"
-  if block:
-    chain_min = target_min + w["drafter"] + w["lm_head"] + w["drafter_kv"]
+  if block:   # the drafter's head read: its draft vocabulary's rows (draft_head) or all of them
+    chain_min = target_min + w["drafter"] + w.get("draft_head", w["lm_head"]) + w["drafter_kv"]
     out.update(chain_minimum=chain_min, hbm_over_chain_minimum=hbm / chain_min)
   if w.get("experts"):
     tokens = case.batch * verify_tokens
@@ -343,8 +363,10 @@ def traffic_bounds(case: Case, loop: dict, w: dict[str, float], verify_tokens: i
   return out
 
 
-def weight_bytes(target, drafter, mesh, batch: int, max_len: int) -> dict[str, float]:
-  """Per-chip bytes of the target / drafter weights, lm_head and the KV caches."""
+def weight_bytes(target, drafter, mesh, batch: int, max_len: int,
+                 draft_vocab: int = 0) -> dict[str, float]:
+  """Per-chip bytes of the target / drafter weights, lm_head and the KV caches; with a draft
+  vocabulary of N tokens also draft_head, the N of lm_head's rows the drafter reads."""
   place = sharding.Placement(mesh)
 
   def chip(module, only=None):
@@ -363,6 +385,8 @@ def weight_bytes(target, drafter, mesh, batch: int, max_len: int) -> dict[str, f
                experts_per_token=target.cfg.moe.top_k / target.cfg.moe.num_experts)
   if drafter is not None:
     out.update(drafter=chip(drafter), drafter_kv=kv(drafter))
+    if draft_vocab:
+      out.update(draft_head=out["lm_head"] * draft_vocab / target.cfg.vocab_size)
   return out
 
 
@@ -439,16 +463,18 @@ def main(argv):
       raise app.UsageError(f"--batch={b} does not divide by mesh.data={mesh.shape['data']}")
   graphdef, params = nnx.split((target, drafter))
   params = sharding.Placement(mesh).annotate(params)
+  vocab, vocab_from = (draft_vocab_ids(config, drafter_dir, target.cfg.vocab_size)
+                       if needs_drafter else ((), "all"))
   meta = dict(target=target_dir, drafter=drafter_dir if needs_drafter else None,
               topology=topology, device_kind=devices[0].device_kind,
               mesh=[int(mesh.shape["data"]), int(mesh.shape["model"])], dtype=config.dtype,
               max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__,
               prefill_chunk=int(config.prefill_chunk),
-              compiler_options=options)
+              compiler_options=options, draft_vocab=len(vocab), draft_vocab_ids=vocab_from)
   records = []
   for case in cases(programs, names, v_maxes, batches):
-    meta["weights"] = weight_bytes(target, drafter, mesh, case.batch, _MAX_LEN.value)
-    lowered = lower_case(case, graphdef, params, config, mesh, drafter)
+    meta["weights"] = weight_bytes(target, drafter, mesh, case.batch, _MAX_LEN.value, len(vocab))
+    lowered = lower_case(case, graphdef, params, config, mesh, drafter, vocab)
     try:
       rec = analyse(case, lowered, meta["weights"], dump, options, verify_tokens(case, drafter))
     except jax.errors.JaxRuntimeError as e:   # does not fit, or the compiler failed: on we go

@@ -26,9 +26,9 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from cure_jax.runtime import errors, pipeline, prompts as prompts_lib
+from cure_jax.runtime import errors, pipeline
 from experiments.tables import registry, sweep, table4
-from experiments.tables.bench import Bench
+from experiments.tables.bench import from_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "ml_collections config file")
@@ -98,26 +98,13 @@ def main(argv):
       config.num_prompts = _NUM_PROMPTS.value
     if _PROMPTS.value is not None:
       config.prompts = _PROMPTS.value
-  pipeline.resolve_paths(config)
-  target = pipeline.load_target(config)
-  with config.unlocked():
-    config.method = "cure"
-  drafter = pipeline.load_drafter(config, target)
-  ar_drafter, note = _ar_drafter(config, target)
-  tokenizer = pipeline.load_tokenizer(config.target.path)
-  rows = (prompts_lib.read_jsonl(config.prompts) if config.prompts
-          else prompts_lib.humaneval_prompts())
-  if config.num_prompts:
-    rows = rows[:config.num_prompts]
-  ids = prompts_lib.encode(rows, tokenizer, config.chat_template, target.cfg.vocab_size)
-  target_dir = config.target.path if Path(config.target.path, "config.json").is_file() else None
-  drafter_dir = (config.drafter.path if Path(config.drafter.path, "config.json").is_file()
-                 else None)
-  bench = Bench(config=config, target=target, drafter=drafter, rows=rows, ids=ids,
-                tokenizer=tokenizer, stops=pipeline.stop_ids(config.target.path, tokenizer),
-                results_dir=_RESULTS.value, ar_drafter=ar_drafter, ar_drafter_note=note,
-                target_dir=target_dir, drafter_dir=drafter_dir, warmup=_WARMUP.value,
-                progress=_PROGRESS.value, reuse_raw=_REUSE_RAW.value)
+  bench = from_config(config, results_dir=_RESULTS.value, warmup=_WARMUP.value,
+                      progress=_PROGRESS.value, reuse_raw=_REUSE_RAW.value)
+  bench.ar_drafter, bench.ar_drafter_note = _ar_drafter(config, bench.target)
+  if Path(config.target.path, "config.json").is_file():
+    bench.target_dir = config.target.path
+  if Path(config.drafter.path, "config.json").is_file():
+    bench.drafter_dir = config.drafter.path
   registry.run_tables(bench, _TABLE.value, execute=_EXECUTE.value, scorer_tau=_SCORER_TAU.value,
                     sweep_factors=_SWEEP_FACTORS.value, table4_problems=_TABLE4_PROBLEMS.value,
                     table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value,

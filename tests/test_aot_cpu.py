@@ -69,11 +69,29 @@ def test_report_on_the_cpu_backend(pair_dirs):
     (("--topology=cpu", "--compiler_options=xla_no_such_option=1"),
      r"error: compiler options .*No such compile option: 'xla_no_such_option'"),
     (("--topology=cpu", "--compiler_options=split_k"), "error: compiler_options takes name=value"),
+    (("--topology=cpu", "--methods=chain", "--config.drafter.vocab=64"),
+     r"drafter.vocab=64: no token counts at .*drafter/token_counts.npz.*--synthetic_vocab"),
 ])
 def test_bad_inputs_are_named(pair_dirs, flags, message):
   child = _run(pair_dirs, *flags)
   assert child.returncode != 0
   assert re.search(message, child.stderr), child.stderr[-2000:]
+
+
+def test_a_synthetic_draft_vocabulary_is_counted_and_labelled(pair_dirs):
+  """--synthetic_vocab: N seeded-random ids for a compile-only count; the chain minimum's extra
+  head read is N of the head's rows, and the report says where the ids came from."""
+  child = _run(pair_dirs, "--topology=cpu", "--methods=chain", "--batch=1", "--programs=decode",
+               "--config.drafter.vocab=64", "--synthetic_vocab")
+  assert child.returncode == 0, child.stderr[-3000:]
+  data = json.loads((pair_dirs / "out.json").read_text())
+  assert data["meta"]["draft_vocab"] == 64 and "synthetic" in data["meta"]["draft_vocab_ids"]
+  w = data["meta"]["weights"]
+  assert w["draft_head"] == pytest.approx(w["lm_head"] * 64 / ARCH.vocab)
+  rec = data["records"][0]
+  assert rec["bounds"]["chain_minimum"] == pytest.approx(
+      w["target"] + w["target_kv"] + w["drafter"] + w["draft_head"] + w["drafter_kv"])
+  assert "Draft vocabulary: 64 tokens (synthetic" in (pair_dirs / "out.md").read_text()
 
 
 _FAIL_PREFILL = """

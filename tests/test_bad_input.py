@@ -51,6 +51,19 @@ def test_long_prompt_settings(pair):
     rope_from_hf({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 8)
 
 
+def test_draft_vocab_settings(pair, tmp_path):
+  """drafter.vocab below 0, and a drafter.vocab_counts file that is not there."""
+  from configs.common import base_config
+  target, drafter = pair
+  config = base_config()
+  config.drafter.vocab = -1
+  with pytest.raises(ValueError, match="drafter.vocab=-1 must lie in 0..8 "):
+    pipeline.make_generator(config, target, drafter, method="chain")
+  config.drafter.vocab, config.drafter.vocab_counts = 4, str(tmp_path / "missing.npz")
+  with pytest.raises(FileNotFoundError, match="no token counts at .*missing.npz; write them"):
+    pipeline.make_generator(config, target, drafter, method="chain")
+
+
 def test_prefill_chunk_zero_takes_the_platform_default(pair):
   """0 resolves per platform (GPU 2048, TPU and CPU 512; jax names GPUs 'cuda' or 'rocm'); a
   chunk given is kept."""

@@ -129,7 +129,7 @@ def our_block_logits(target, drafter, feats, lengths, anchors, verify_size):
   block = jnp.full((b, 1, k), drafter.cfg.mask_token_id).at[:, 0, 0].set(anchors)  # [B, 1, K]
   hidden = drafter(target.embed(block), lengths[:, None] + jnp.arange(k)[None], cache,
                    jnp.full((b,), verify_size))
-  return drafter.draft_logits(hidden[:, 0, 1:verify_size], target.logits)
+  return drafter.draft_logits(hidden[:, 0, 1:verify_size], target)
 
 
 @pytest.mark.parametrize("short_block", [False, True])

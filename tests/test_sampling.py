@@ -105,6 +105,21 @@ def test_speculative_sampling_matches_target_distribution(models, warp):
     assert p > ALPHA, (name, p)
 
 
+def test_reduced_draft_vocab_matches_target_distribution(models):
+  """drafter.vocab: the drafter proposes 3 of the 4 tokens, never token 2, which the target does
+  write; the residual distribution must supply it."""
+  target, drafter, _ = models
+  warp = Sampling(1.0)
+  expected = _exact(target, warp) * N
+  assert expected[2].sum() > 0.05 * N
+  cure = repair.RepairConfig(tau_margin=1e9, v_max=16, max_depth=ARCH.block_size - 1, b_max=2,
+                             beam_width=2, topk=2)
+  for method in ("chain", "cure", "ddtree"):
+    gen = Generator(target, drafter, method=method, max_new_tokens=3, sampling=warp,
+                    draft_vocab=(0, 1, 3), cure=None if method == "chain" else cure)
+    assert _p_value(_counts(gen), expected) > ALPHA, method
+
+
 def _longest_branch_verifier(tree, p, q, deterministic, key, length, max_children):
   """WRONG on purpose: each node accepted with min(1, p/q) against the full target distribution
   (no residual), the longest accepted branch kept, the bonus drawn from p at its end."""

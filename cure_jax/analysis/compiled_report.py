@@ -28,7 +28,9 @@ def markdown(meta: dict, records: list[dict]) -> str:
                f", drafter {gb(meta['weights']['drafter'])} GB"
                if "drafter" in meta["weights"] else "") + "." + (
                f" XLA options: {meta['compiler_options']}." if meta.get("compiler_options")
-               else ""), ""]
+               else "") + (
+               f" Draft vocabulary: {meta['draft_vocab']} tokens ({meta['draft_vocab_ids']})."
+               if meta.get("draft_vocab") else ""), ""]
   moe = any("hbm_over_moe_minimum" in r.get("bounds", {}) for r in records)
   rows = []
   for r in (r for r in records if not r.get("failed")):

@@ -78,7 +78,7 @@ def draft_cost(target, drafter, alternatives: Sequence[int] = (1,), context: int
   def block(params, blocks, positions, cache):
     t, d = nnx.merge(graphdef, params)
     hidden = d(t.embed(blocks), positions, cache, jnp.full((1,), k, jnp.int32))
-    return jnp.argmax(d.draft_logits(hidden[:, :, 1:], t.logits), axis=-1)
+    return jnp.argmax(d.draft_logits(hidden[:, :, 1:], t), axis=-1)
 
   costs = {}
   for a in alternatives:

@@ -38,6 +38,7 @@ class Spec:
   feature_layers: tuple[int, ...] = ()
   prefill_chunk: int = 512                 # prompt tokens per prefill step (one compile for all)
   drafter_window: int = 0                  # DFlash: context positions drafts see; 0 = all
+  draft_vocab: tuple[int, ...] = ()        # DFlash: token ids drafts may be; () = all
   cure: repair.RepairConfig | None = None
   sampling: Sampling = Sampling()
   auto: controller.Settings | None = None  # the goodput controller's budgets and costs
@@ -150,9 +151,11 @@ class Method:
     """Raises ValueError naming the fix when the target and drafter do not fit this method."""
     del target, drafter
 
-  def tree_settings(self, target, block_size: int, cure: repair.RepairConfig | None):
-    """The checked tree settings to use (None when the method reads none)."""
-    del target, block_size, cure
+  def tree_settings(self, target, block_size: int, cure: repair.RepairConfig | None,
+                    draft_vocab: int = 0):
+    """The checked tree settings to use (None when the method reads none); draft_vocab: the
+    tokens the drafter may propose (0: the whole vocabulary)."""
+    del target, block_size, cure, draft_vocab
     return None
 
   def spec_fields(self, drafter) -> dict:

@@ -71,14 +71,18 @@ class TreeBlockDrafter(BlockDrafter):
   tree_config = True
   counted_settings: tuple[str, ...] = ("b_max",)  # alternatives that need a bigger vocabulary
 
-  def tree_settings(self, target, block_size, cure):
+  def tree_settings(self, target, block_size, cure, draft_vocab=0):
+    """Also checks that the drafter's vocabulary holds every alternative a position offers, so
+    that top-k and margins never rank a token it cannot propose (-inf)."""
     cure = cure or repair.RepairConfig(max_depth=block_size - 1)
     cure.validate(block_size)
+    size = draft_vocab or target.cfg.vocab_size
+    where = (f"drafter.vocab={draft_vocab}: raise it" if draft_vocab
+             else f"target has {target.cfg.vocab_size}")
     for name in self.counted_settings:
-      if getattr(cure, name) >= target.cfg.vocab_size:
+      if getattr(cure, name) >= size:
         raise ValueError(f"cure.{name}={getattr(cure, name)} alternatives need a vocabulary of "
-                         f"more than {getattr(cure, name)} tokens (target has "
-                         f"{target.cfg.vocab_size})")
+                         f"more than {getattr(cure, name)} tokens ({where})")
     return cure
 
   def max_depth(self, spec):
@@ -103,7 +107,7 @@ def hidden(target, drafter, dcache, spec: Spec, anchor, lengths, limit, known=No
 def main_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit):
   """The main draft block's float32 logits [B, K-1, V]."""
   out = hidden(target, drafter, dcache, spec, anchor, lengths, limit)
-  return drafter.draft_logits(out[:, 0, 1:], target.logits)
+  return drafter.draft_logits(out[:, 0, 1:], target, spec.draft_vocab)
 
 
 def alternatives(spec: Spec, logq, drafted):

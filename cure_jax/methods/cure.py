@@ -79,7 +79,7 @@ class Cure(block.TreeBlockDrafter):
     def redraft():
       hidden = block.hidden(target, drafter, dcache, spec, anchor, lengths, limit, known)
       rows = hidden[jnp.arange(b)[:, None], path, t.depth]                  # [B, V, H]
-      row_logits = drafter.draft_logits(rows, target.logits)                # [B, V, N]
+      row_logits = drafter.draft_logits(rows, target, spec.draft_vocab)    # [B, V, N]
       tokens, q = choose(spec, key_repair, row_logits)
       row_alts = (block.alternatives(spec, log_q(spec, row_logits), tokens) if a else no_alts)
       return tokens, empty_q if q is None else q, row_alts

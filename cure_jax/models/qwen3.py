@@ -157,6 +157,19 @@ class Qwen3(nnx.Module):
     w = self.embed_tokens.embedding[...] if self.cfg.tie_embeddings else self.lm_head.kernel[...].T
     return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
 
+  def head_rows(self, ids):
+    """The head's weights of the vocabulary entries ids [N] only: [N, H] tied, else [H, N]."""
+    if self.cfg.tie_embeddings:
+      return jnp.take(self.embed_tokens.embedding[...], ids, axis=0)
+    return jnp.take(self.lm_head.kernel[...], ids, axis=1)
+
+  def logits_rows(self, hidden, ids, rows=None):
+    """Float32 logits [..., N] of the vocabulary entries ids [N] only: the head read is N of its
+    V rows (a drafter that scores a reduced vocabulary); rows: head_rows(ids), gathered before."""
+    w = self.head_rows(ids) if rows is None else rows
+    spec = "...h,nh->...n" if self.cfg.tie_embeddings else "...h,hn->...n"
+    return jnp.einsum(spec, hidden, w, preferred_element_type=jnp.float32)
+
   def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = ()):
     """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens], or a
     Prefix when the tokens are a prompt chunk (chunked prefill): then the output's k and v are

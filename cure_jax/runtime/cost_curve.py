@@ -55,14 +55,23 @@ def _start(graphdef, params, spec: Spec, batch: int):
   return decoding.prefill(graphdef, params, prompt, jnp.full((batch,), 8, jnp.int32), spec=spec)
 
 
-def _drafting(graphdef, spec: Spec, want: bool | None = None):
-  """A jitted drafter pass; with `want`, the online budget's choice for every row."""
+def _drafting(graphdef, params, spec: Spec, want: bool | None = None):
+  """A jitted drafter pass, called as f(params, st); with `want`, the online budget's choice for
+  every row. A draft vocabulary's head rows are gathered once beforehand, as decoding.decode
+  gathers them before its loop, so that the pass costs what it costs in the loop."""
+  held = None
+  if spec.draft_vocab:
+    target, _ = nnx.merge(graphdef, params)
+    held = target.head_rows(np.asarray(spec.draft_vocab, np.int32))
+
   @jax.jit
-  def draft(params, st):
+  def draft(params, st, held):
     target, drafter = nnx.merge(graphdef, params)
+    if held is not None:
+      drafter.hold_head_rows(target, spec.draft_vocab, held)
     rows = None if want is None else jnp.full(st.anchor.shape, want)
     return decoding.propose(target, drafter, spec, st, rows)[0]
-  return draft
+  return lambda params, st: draft(params, st, held)
 
 
 def _verifying(graphdef, spec: Spec, n: int):
@@ -74,10 +83,16 @@ def _verifying(graphdef, spec: Spec, n: int):
   return run
 
 
+def draft_seconds(graphdef, params, spec: Spec, batch: int) -> float:
+  """Seconds of one drafter pass, the draft logits through the head included (median); a draft
+  vocabulary's head rows are gathered beforehand, as in the decoding loop."""
+  return _seconds(_drafting(graphdef, params, spec), params, _start(graphdef, params, spec, batch))
+
+
 def time_budgets(graphdef, params, spec: Spec, batch: int) -> dict:
   """Seconds of one drafter pass and of the target's pass over each budget's nodes."""
   st = _start(graphdef, params, spec, batch)
-  draft = _drafting(graphdef, spec)
+  draft = _drafting(graphdef, params, spec)
   proposal = draft(params, st)
   return dict(draft_s=_seconds(draft, params, st), budgets=list(spec.auto.budgets),
               verify_s=[_seconds(_verifying(graphdef, spec, n), params, st, proposal)
@@ -88,7 +103,7 @@ def time_online(graphdef, params, spec: Spec, batch: int) -> dict:
   """Seconds of the online budget's terms: the drafter pass without and with the repair
   re-draft, and the target over the block (branch 0) and over the whole tree (v_max)."""
   st = _start(graphdef, params, spec, batch)
-  chain, tree = _drafting(graphdef, spec, False), _drafting(graphdef, spec, True)
+  chain, tree = _drafting(graphdef, params, spec, False), _drafting(graphdef, params, spec, True)
   proposal = tree(params, st)
   k, v = spec.block_size, spec.cure.v_max
   return dict(draft_s=_seconds(chain, params, st), draft_repair_s=_seconds(tree, params, st),

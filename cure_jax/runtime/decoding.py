@@ -316,6 +316,8 @@ def iteration(target, drafter, spec: Spec, st: State) -> State:
 def decode(graphdef, params, state: State, *, spec: Spec) -> State:
   """Runs iterations inside one compiled while loop until every sequence is done."""
   target, drafter = _merge(graphdef, params)
+  if spec.draft_vocab:   # its head rows gathered once per call, not every iteration
+    drafter.hold_head_rows(target, spec.draft_vocab)
 
   def cond(st):
     return jnp.any(~st.done) & (st.step < spec.max_new_tokens)

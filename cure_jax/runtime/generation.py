@@ -12,7 +12,7 @@ from flax import nnx
 
 from cure_jax import methods
 from cure_jax.methods.base import Spec
-from cure_jax.runtime import cost_curve, decoding, sharding
+from cure_jax.runtime import cost_curve, decoding, draft_vocab as draft_vocab_lib, sharding
 from cure_jax.tree import controller, repair
 from cure_jax.tree.sampling import Sampling
 
@@ -72,7 +72,7 @@ def prompt_bucket(length: int) -> int:
 def decoding_spec(method: str, drafter, max_new_tokens: int, max_len: int, stop_ids=(),
                   block_size: int = 1, cure: repair.RepairConfig | None = None,
                   sampling: Sampling = Sampling(), prefill_chunk: int = PREFILL_CHUNK,
-                  drafter_window: int = 0,
+                  drafter_window: int = 0, draft_vocab: tuple[int, ...] = (),
                   auto: controller.Settings | None = None) -> Spec:
   """The static Spec of a run; the method takes what it needs from the drafter (a DFlash
   drafter's mask token and target layers). Works on abstract modules (nnx.eval_shape) too."""
@@ -82,6 +82,7 @@ def decoding_spec(method: str, drafter, max_new_tokens: int, max_len: int, stop_
               cure=cure if impl.tree_config else None, sampling=sampling,
               prefill_chunk=prefill_chunk,
               drafter_window=drafter_window if impl.drafter_kind == "block" else 0,
+              draft_vocab=tuple(draft_vocab) if impl.drafter_kind == "block" else (),
               auto=auto if impl.controlled else None, **impl.spec_fields(drafter))
 
 
@@ -91,7 +92,8 @@ class Generator:
   With a `mesh` (cure_jax.runtime.sharding.make_mesh) the parameters are sharded by the partition
   rules and each batch is padded to a multiple of mesh.data and split over it. A controlled
   method (auto) takes its budgets from `auto`; without costs there, the device's cost curve is
-  timed once per batch size (cure_jax/runtime/cost_curve.py).
+  timed once per batch size (cure_jax/runtime/cost_curve.py). A block drafter with a
+  `draft_vocab` (ascending token ids, cure_jax/runtime/draft_vocab.py) proposes only those.
   """
 
   def __init__(self, target, drafter=None, *, method: str, max_new_tokens: int,
@@ -99,7 +101,7 @@ class Generator:
                max_len: int | None = None, mesh=None, sampling: Sampling = Sampling(),
                seed: int = 0, compiler_options: dict[str, str] | None = None,
                prefill_chunk: int = 0, drafter_window: int = 0,
-               auto: controller.Settings | None = None):
+               draft_vocab: tuple[int, ...] = (), auto: controller.Settings | None = None):
     impl = methods.get(method)
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -109,6 +111,8 @@ class Generator:
       raise ValueError(f"drafter.window={drafter_window} must be >= 0 (context positions the "
                        "DFlash drafter sees; 0 = all)")
     self.prefill_chunk, self.drafter_window = prefill_chunk, drafter_window
+    self.draft_vocab = tuple(draft_vocab)
+    draft_vocab_lib.check(self.draft_vocab, target.cfg.vocab_size)
     if impl.drafter_kind and drafter is None:
       raise ValueError(f"method={method!r} needs a drafter (set drafter.path)")
     self.target, self.drafter = target, (drafter if impl.drafter_kind else None)
@@ -130,7 +134,7 @@ class Generator:
                          f"drafter's block ({block_size} nodes)")
       cure = dataclasses.replace(cure or repair.RepairConfig(max_depth=block_size - 1),
                                  v_max=self.auto.budgets[-1])
-    cure = impl.tree_settings(target, block_size, cure)
+    cure = impl.tree_settings(target, block_size, cure, len(self.draft_vocab))
     self.block_size = block_size
     sampling.validate()
     self.sampling = sampling
@@ -151,7 +155,7 @@ class Generator:
     this batch size."""
     spec = decoding_spec(self.method, self.drafter, self.max_new_tokens, max_len, self.stop_ids,
                          self.block_size, self.cure, self.sampling, self.prefill_chunk,
-                         self.drafter_window, self.auto)
+                         self.drafter_window, self.draft_vocab, self.auto)
     if spec.auto is not None and not spec.auto.costs:
       seconds = cost_curve.costs(self.graphdef, self.params, spec, batch)
       spec = dataclasses.replace(spec, auto=dataclasses.replace(spec.auto, costs=seconds))

@@ -16,7 +16,7 @@ import numpy as np
 
 from cure_jax import methods
 from cure_jax.runtime import hub
-from cure_jax.runtime import files
+from cure_jax.runtime import draft_vocab as draft_vocab_lib, files
 from cure_jax.runtime.generation import Generator, Result
 from cure_jax.tree import controller, repair
 from cure_jax.tree.sampling import Sampling
@@ -208,6 +208,16 @@ def compiler_options(pairs) -> dict[str, str]:
   return dict(p.split("=", 1) for p in items)
 
 
+def draft_vocab(config, target, method: str) -> tuple[int, ...]:
+  """The tokens a block drafter may propose (drafter.vocab of the drafter.vocab_counts file,
+  by default token_counts.npz beside the drafter); () = all, and for other methods."""
+  if methods.get(method).drafter_kind != "block":
+    return ()
+  counts = (config.drafter.vocab_counts or
+            str(Path(config.drafter.path) / draft_vocab_lib.COUNTS_FILE))
+  return draft_vocab_lib.load(counts, int(config.drafter.vocab), target.cfg.vocab_size)
+
+
 def make_generator(config, target, drafter, stops=(), method: str | None = None) -> Generator:
   method = method or config.method
   impl = methods.get(method)
@@ -222,6 +232,7 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
                    compiler_options=compiler_options(config.compiler_options),
                    prefill_chunk=int(config.prefill_chunk),
                    drafter_window=int(config.drafter.window),
+                   draft_vocab=draft_vocab(config, target, method),
                    auto=auto_settings(config) if impl.controlled else None)
 
 

@@ -54,8 +54,8 @@ def train_forward(drafter: DFlash, embed, features, blocks, anchors):
 
 def block_logits(drafter: DFlash, hidden, head):
   """Float32 draft logits [..., V'] of hidden states [..., H] through head rows [V', H]."""
-  return drafter.draft_logits(
-      hidden, lambda h: jnp.einsum("...h,vh->...v", h, head, preferred_element_type=jnp.float32))
+  return drafter.scale_logits(
+      jnp.einsum("...h,vh->...v", hidden, head, preferred_element_type=jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cure_jax.runtime import pipeline
+from cure_jax.runtime import pipeline, prompts as prompts_lib
 from cure_jax import methods
 from cure_jax.runtime.generation import Result
 from cure_jax.analysis.report import environment, jsonable, write_text
@@ -46,17 +46,18 @@ PAPER = dict(
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """A decoding method with cure overrides on top of the config's cure settings, and a drafter
-  context window (0: the config's)."""
+  """A decoding method with cure overrides on top of the config's cure settings, a drafter
+  context window and a draft vocabulary (drafter.vocab; 0: the config's)."""
 
   label: str
   method: str
   cure: tuple[tuple[str, Any], ...] = ()
   window: int = 0
+  vocab: int = 0
 
   @classmethod
-  def of(cls, label: str, method: str, *, window: int = 0, **cure) -> "Variant":
-    return cls(label, method, tuple(sorted(cure.items())), window)
+  def of(cls, label: str, method: str, *, window: int = 0, vocab: int = 0, **cure) -> "Variant":
+    return cls(label, method, tuple(sorted(cure.items())), window, vocab)
 
 
 @dataclasses.dataclass
@@ -88,10 +89,31 @@ class Bench:
     return c
 
   def key(self, variant: Variant) -> tuple:
-    window = (("window", variant.window),) if variant.window else ()
+    drafter = tuple((name, value) for name, value in (("window", variant.window),
+                                                      ("vocab", variant.vocab)) if value)
     if not methods.get(variant.method).tree_config:
-      return (variant.method,) + window
-    return (variant.method,) + tuple(sorted(self.cure_settings(variant).items())) + window
+      return (variant.method,) + drafter
+    return (variant.method,) + tuple(sorted(self.cure_settings(variant).items())) + drafter
+
+
+def from_config(config, **fields) -> Bench:
+  """A Bench on the config's pair (paths resolved, models loaded; the block drafter whatever
+  config.method says) and prompts (config.prompts, else HumanEval's; the first
+  config.num_prompts); `fields`: the Bench's other fields."""
+  pipeline.resolve_paths(config)
+  target = pipeline.load_target(config)
+  with config.unlocked():
+    config.method = "cure"
+  drafter = pipeline.load_drafter(config, target)
+  tokenizer = pipeline.load_tokenizer(config.target.path)
+  rows = (prompts_lib.read_jsonl(config.prompts) if config.prompts
+          else prompts_lib.humaneval_prompts())
+  if config.num_prompts:
+    rows = rows[:config.num_prompts]
+  ids = prompts_lib.encode(rows, tokenizer, config.chat_template, target.cfg.vocab_size)
+  return Bench(config=config, target=target, drafter=drafter, rows=rows, ids=ids,
+               tokenizer=tokenizer, stops=pipeline.stop_ids(config.target.path, tokenizer),
+               **fields)
 
 
 def _generator(bench: Bench, variant: Variant):
@@ -102,6 +124,8 @@ def _generator(bench: Bench, variant: Variant):
       cfg.cure.update(dict(variant.cure))
       if variant.window:
         cfg.drafter.window = variant.window
+      if variant.vocab:
+        cfg.drafter.vocab = variant.vocab
       if variant.method == "ar_draft":
         cfg.drafter.block_size = 0  # gamma + 1
     drafter = bench.ar_drafter if variant.method == "ar_draft" else bench.drafter
