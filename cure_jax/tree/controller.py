@@ -68,9 +68,8 @@ class Settings:
 def can_pay(cfg: Settings) -> bool:
   """Whether some drafting budget could beat plain target steps on these costs even if every
   draft were accepted: n nodes yield at most n tokens for C(B, n), a plain step one for C(B, 1).
-  Where none can (a compute-bound verifier at a large batch: on a 2-core CPU at batch 16, a
-  4-node budget cost 4.7 plain steps), the controlled loop could only lose its looks and its
-  larger step, so auto decodes target-only (Generator.spec)."""
+  Where none can (a verifier compute-bound at a large batch), the controlled loop could only
+  lose its looks and its larger step, so auto decodes target-only (Generator.spec)."""
   if not cfg.costs or cfg.budgets[0] != 1:
     return True
   return any(n * cfg.costs[0] > c for n, c in zip(cfg.budgets[1:], cfg.costs[1:]))
