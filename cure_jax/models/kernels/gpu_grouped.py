@@ -40,59 +40,64 @@ def tiles(din: int, dout: int) -> bool:
   return din % _DEPTH == 0 and dout % _COLS == 0
 
 
+def _each_row_block(bounds_ref, body) -> None:
+  """Runs body(first, valid [R, 1]) over program e's expert's sorted rows in blocks of R."""
+  start, end = bounds_ref[pl.program_id(0)], bounds_ref[pl.program_id(0) + 1]
+
+  def row_block(r, carry):
+    first = start + r * _ROWS
+    body(first, (first + jnp.arange(_ROWS) < end)[:, None])
+    return carry
+
+  jax.lax.fori_loop(0, pl.cdiv(end - start, _ROWS), row_block, start)
+
+
+def _dot(x, w, precision):
+  return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
 def _kernel(bounds_ref, x_ref, w_ref, o_ref, *, precision):
   """One (expert e, block of output columns): the expert's rows x[start:end] [R, din] times its
   columns of w [din, C], row block by row block."""
   e = pl.program_id(0)
-  start, end = bounds_ref[e], bounds_ref[e + 1]
   din, cols = w_ref.shape[1], pl.ds(pl.program_id(1) * _COLS, _COLS)
 
-  def row_block(r, carry):
-    first = start + r * _ROWS
-    valid = (first + jnp.arange(_ROWS) < end)[:, None]                   # [R, 1]
-
+  def row_block(first, valid):
     def depth(d, acc):
       part = pl.ds(d * _DEPTH, _DEPTH)
       x = plgpu.load(x_ref.at[pl.ds(first, _ROWS), part], mask=valid, other=0)
-      return acc + jax.lax.dot_general(x, w_ref[e, part, cols], (((1,), (0,)), ((), ())),
-                                       precision=precision, preferred_element_type=jnp.float32)
+      return acc + _dot(x, w_ref[e, part, cols], precision)
 
     acc = jax.lax.fori_loop(0, din // _DEPTH, depth, jnp.zeros((_ROWS, _COLS), jnp.float32))
     plgpu.store(o_ref.at[pl.ds(first, _ROWS), cols], acc.astype(o_ref.dtype), mask=valid)
-    return carry
 
-  jax.lax.fori_loop(0, pl.cdiv(end - start, _ROWS), row_block, start)
+  _each_row_block(bounds_ref, row_block)
 
 
 def _swiglu_kernel(bounds_ref, source_ref, x_ref, wg_ref, wu_ref, o_ref, *, precision):
   """One (expert e, block of output columns): silu(x[source] wg[e]) * (x[source] wu[e]) for the
   expert's sorted rows, the tokens gathered by index row block by row block."""
   e = pl.program_id(0)
-  start, end = bounds_ref[e], bounds_ref[e + 1]
   din, cols = wg_ref.shape[1], pl.ds(pl.program_id(1) * _COLS, _COLS)
 
-  def row_block(r, carry):
-    first = start + r * _ROWS
-    valid = (first + jnp.arange(_ROWS) < end)[:, None]                   # [R, 1]
+  def row_block(first, valid):
     tokens = source_ref[pl.ds(first, _ROWS)][:, None]                    # [R, 1]
 
     def depth(d, accs):
       part = pl.ds(d * _DEPTH, _DEPTH)
       x = plgpu.load(x_ref.at[tokens, d * _DEPTH + jnp.arange(_DEPTH)[None, :]], mask=valid,
                      other=0)                                            # [R, DEPTH]
-      dot = lambda w: jax.lax.dot_general(x, w[e, part, cols], (((1,), (0,)), ((), ())),  # noqa: E731
-                                          precision=precision,
-                                          preferred_element_type=jnp.float32)
-      return accs[0] + dot(wg_ref), accs[1] + dot(wu_ref)
+      return (accs[0] + _dot(x, wg_ref[e, part, cols], precision),
+              accs[1] + _dot(x, wu_ref[e, part, cols], precision))
 
     zeros = jnp.zeros((_ROWS, _COLS), jnp.float32)
     g, u = jax.lax.fori_loop(0, din // _DEPTH, depth, (zeros, zeros))
     g, u = (a.astype(o_ref.dtype).astype(jnp.float32) for a in (g, u))  # as matmuls return them
     plgpu.store(o_ref.at[pl.ds(first, _ROWS), cols], (jax.nn.silu(g) * u).astype(o_ref.dtype),
                 mask=valid)
-    return carry
 
-  jax.lax.fori_loop(0, pl.cdiv(end - start, _ROWS), row_block, start)
+  _each_row_block(bounds_ref, row_block)
 
 
 def name(tokens: int, top_k: int) -> str:
