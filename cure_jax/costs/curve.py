@@ -8,7 +8,8 @@ and activations per row: the counts at batch 1 and 8 fix both terms). FLOPs are 
 Time = max(bytes / bandwidth, FLOPs / peak) + launches × launch cost (cure_jax/costs/roofline).
 A budget n ≤ the block verifies the first n nodes of the draft: bytes of the chain program,
 FLOPs of n nodes; for an MoE target the experts the batch's B x n tokens reach replace the
-chain program's (uniform routing, the counter's rule), the rest of its bytes linear in B. τ(n) for a prefix comes from a per-depth acceptance α fitted to a whole
+chain program's (uniform routing, the counter's rule), the rest of its bytes linear in B.
+τ(n) for a prefix comes from a per-depth acceptance α fitted to a whole
 block's τ: τ(n) = Σ_{d<n} α^d (the bonus token included), the calibrated drafter's expectation.
 """
 
