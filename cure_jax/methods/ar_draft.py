@@ -38,9 +38,9 @@ class ArDraft(Method):
     draft, q_main, dcache = draft_tokens(drafter, dcache, spec, key_main, anchor, lengths)
     return path_proposal(spec, anchor, draft, q_main, limit), dcache
 
-  def resync(self, drafter, dcache, spec, verified, lengths, count, plain=None):
+  def resync(self, drafter, dcache, spec, verified, lengths, count):
     """Its cache already holds the drafts; keep the accepted ones."""
-    del drafter, spec, verified, plain
+    del drafter, spec, verified
     return dcache.replace(lengths=lengths + count)
 
 

@@ -205,9 +205,7 @@ class Method:
     return Verified(k=take_tokens(out.k, path), v=take_tokens(out.v, path),
                     features=self.features(spec, tree, out, path))
 
-  def resync(self, drafter, dcache, spec: Spec, verified: Verified, lengths, count, plain=None):
-    """Brings the drafter to the committed tokens: the first count [B] of the K kept rows.
-    plain [] (auto): this was a plain target step, whose count is 1, so a drafter that
-    computes per row need compute only the first."""
-    del drafter, spec, verified, lengths, count, plain
+  def resync(self, drafter, dcache, spec: Spec, verified: Verified, lengths, count):
+    """Brings the drafter to the committed tokens: the first count [B] of the K kept rows."""
+    del drafter, spec, verified, lengths, count
     return dcache

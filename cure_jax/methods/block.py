@@ -7,7 +7,6 @@ settings (`cure.*`: node budget, depth, alternatives) that cure, ddtree and hybr
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from cure_jax.methods.base import Method, Spec
@@ -48,20 +47,11 @@ class BlockDrafter(Method):
     nodes = self.resync_nodes(spec, tree, path)
     return jnp.take_along_axis(out.features, nodes[..., None], axis=1)     # [B, K, n*H]
 
-  def resync(self, drafter, dcache, spec, verified, lengths, count, plain=None):
-    """The kept rows' context keys/values appended; after a plain step only the first row's
-    are computed (a lax.cond over the small k/v: one over the cache copied it every
-    iteration), the rest left zero, past count."""
+  def resync(self, drafter, dcache, spec, verified, lengths, count):
+    """The kept rows' context keys/values appended (rows past count are not committed)."""
     del spec
-    rows = verified.features.shape[1]
-    positions = lengths[:, None] + jnp.arange(rows)[None]                  # [B, K]
-
-    def kv(n: int):
-      k, v = drafter.context_kv(verified.features[:, :n], positions[:, :n])
-      pad = lambda x: jnp.pad(x, ((0, 0), (0, rows - n), (0, 0), (0, 0)))  # noqa: E731
-      return tuple(map(pad, k)), tuple(map(pad, v))                        # L x [B, K, KVH, D]
-
-    k, v = kv(rows) if plain is None else jax.lax.cond(plain, lambda: kv(1), lambda: kv(rows))
+    positions = lengths[:, None] + jnp.arange(verified.features.shape[1])[None]  # [B, K]
+    k, v = drafter.context_kv(verified.features, positions)
     return dcache.append(k, v, count)
 
 

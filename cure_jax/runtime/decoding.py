@@ -9,6 +9,7 @@ of `spec.impl` (cure_jax/methods); this file names no method.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -227,11 +228,8 @@ def _first_rows(verified: Verified, rows: int) -> Verified:
                           else verified.features[:, :rows])
 
 
-def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified,
-           plain=None) -> State:
-  """Phase 3: accepted keys/values into the target cache, drafter resync, outputs, stats.
-  plain [] (auto): a plain target step, whose drafter resync need compute the root's one row
-  only (Method.resync)."""
+def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified) -> State:
+  """Phase 3: accepted keys/values into the target cache, drafter resync, outputs, stats."""
   active = ~st.done
   lengths = st.cache.lengths
   emitted, n_new, hit_stop = _emitted(spec, st, proposal.tree, verdict)
@@ -239,7 +237,7 @@ def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified,
   cache = commit_target(st.cache, verified, count)
   if dcache is not None:  # an inactive sequence keeps its drafter state
     dcache = spec.impl.resync(drafter, dcache, spec, _first_rows(verified, spec.block_size),
-                              lengths, count, plain)
+                              lengths, count)
     dcache = dcache.replace(lengths=jnp.where(active, dcache.lengths, st.dcache.lengths))
   i = jnp.arange(spec.block_size)[None]
   slots = jnp.where(i < n_new[:, None], st.produced[:, None] + i, st.tokens.shape[1])
@@ -265,42 +263,85 @@ def verify_budget(target, spec: Spec, st: State, proposal: Proposal, n: int):
   return _verify(target, spec, st, _prefix(cut, n))
 
 
-def _root_only(spec: Spec, st: State, shapes):
-  """A proposal shaped like `shapes` whose tree is the root alone: a plain target step."""
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  b, v = shapes[0].tree.tokens.shape
-  tree = tree_lib.build(st.anchor, jnp.zeros((b, v - 1), jnp.int32), jnp.zeros((b,), jnp.int32),
-                        v_max=v)
-  return zeros[0].replace(tree=tree), st.dcache
+def _put(buf, step, active, val):
+  """buf [B, N] with column `step` set to val [B] for the active sequences."""
+  return buf.at[:, step].set(jnp.where(active, val, buf[:, step]))
 
 
-def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
-  """One iteration at the node budget the goodput controller picks for the whole batch
-  (cure_jax/tree/controller.py): budget 1 skips the drafter; budget n verifies the first n
-  nodes of the method's best-first tree, each budget its own compiled branch."""
+def _record_budget(new: State, st: State, n, expected) -> State:
+  """The controller's choice n [] and the tokens it expected [B] into the per-iteration stats."""
+  active = ~st.done
+  stats = new.stats.replace(
+      budget=_put(new.stats.budget, st.step, active, jnp.broadcast_to(n, active.shape)),
+      expected=_put(new.stats.expected, st.step, active, expected))
+  return new.replace(stats=stats)
+
+
+def plain_iteration(target, drafter, spec: Spec, st: State, expected) -> State:
+  """Auto's budget 1: ar's step (the root alone, one row committed) with no drafter pass; the
+  drafter only takes in the committed row's features. expected [B]: the controller's guess."""
+  one = dataclasses.replace(spec, block_size=1, auto=None)
+  b = st.anchor.shape[0]
+  root = tree_lib.build(st.anchor, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32),
+                        v_max=1)
+  proposal = Proposal(root)
+  verdict, verified = _verify(target, one, st, proposal)
+  new = commit(drafter, one, st, proposal, st.dcache, verdict, verified)
+  return _record_budget(new, st, jnp.ones((), jnp.int32), expected)
+
+
+def drafted_iteration(target, drafter, spec: Spec, st: State, arm) -> State:
+  """An iteration at drafting budget index `arm` []: the best-first tree's first n nodes
+  verified, each budget its own compiled branch."""
   cfg = spec.auto
   active = ~st.done
-  arm = controller.choose(st.controller, cfg, active, st.step, spec.max_new_tokens)
   n = jnp.asarray(cfg.budgets)[arm]
-  drafted = functools.partial(propose, target, drafter, spec, st)
-  if cfg.budgets[0] == 1:
-    shapes = jax.eval_shape(drafted)
-    proposal, dcache = jax.lax.cond(n == 1, lambda: _root_only(spec, st, shapes), drafted)
-  else:
-    proposal, dcache = drafted()
+  proposal, dcache = propose(target, drafter, spec, st)
   mass = controller.masses(cfg, proposal.tree.valid, proposal.path_logp)
+  arms = [i for i, m in enumerate(cfg.budgets) if m > 1]
   verdict, verified = jax.lax.switch(
-      arm, [functools.partial(verify_budget, target, spec, st, proposal, m) for m in cfg.budgets])
+      arm - arms[0],
+      [functools.partial(verify_budget, target, spec, st, proposal, cfg.budgets[i]) for i in arms])
   tree = proposal.tree
   proposal = proposal.replace(tree=tree.replace(valid=tree.valid & (jnp.arange(tree.size) < n)))
   expected = jnp.take(controller.expected_tokens(st.controller), arm, axis=1)
-  new = commit(drafter, spec, st, proposal, dcache, verdict, verified,
-               plain=(n == 1) if cfg.budgets[0] == 1 else None)
-  put = lambda buf, val: buf.at[:, st.step].set(jnp.where(active, val, buf[:, st.step]))
-  stats = new.stats.replace(budget=put(new.stats.budget, jnp.broadcast_to(n, active.shape)),
-                            expected=put(new.stats.expected, expected))
-  return new.replace(stats=stats, controller=controller.update(
-      st.controller, cfg, arm, active, mass, verdict.accepted))
+  new = commit(drafter, spec, st, proposal, dcache, verdict, verified)
+  new = _record_budget(new, st, n, expected)
+  return new.replace(controller=controller.update(st.controller, cfg, arm, active, mass,
+                                                  verdict.accepted))
+
+
+def _running(spec: Spec, st: State):
+  return jnp.any(~st.done) & (st.step < spec.max_new_tokens)
+
+
+def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
+  """What the goodput controller (cure_jax/tree/controller.py) picks for the whole batch: plain
+  target steps while budget 1 wins, then one drafted iteration when a drafting budget does.
+
+  Plain steps run in their own inner loop, whose body is ar's and no larger; its condition asks
+  the controller every step, so the choices are the ones a per-iteration pick would make. The
+  drafted iteration is a loop of at most one trip, not a cond, so that no branch
+  copies the caches."""
+  cfg = spec.auto
+
+  def arm(s):
+    return controller.choose(s.controller, cfg, ~s.done, s.step, spec.max_new_tokens)
+
+  def wants(s, plain: bool):
+    return _running(spec, s) & ((jnp.asarray(cfg.budgets)[arm(s)] == 1) == plain)
+
+  if cfg.budgets[0] == 1:
+    def plain(s):
+      return plain_iteration(target, drafter, spec, s, controller.expected_tokens(s.controller)[:, 0])
+
+    st = jax.lax.while_loop(lambda s: wants(s, True), plain, st)
+  first = jnp.ones((), bool)
+  st, _ = jax.lax.while_loop(
+      lambda c: c[1] & wants(c[0], False),
+      lambda c: (drafted_iteration(target, drafter, spec, c[0], arm(c[0])), ~c[1]),
+      (st, first))
+  return st
 
 
 def iteration(target, drafter, spec: Spec, st: State) -> State:
@@ -319,10 +360,7 @@ def decode(graphdef, params, state: State, *, spec: Spec) -> State:
   if spec.draft_vocab:   # its head rows gathered once per call, not every iteration
     drafter.hold_head_rows(target, spec.draft_vocab)
 
-  def cond(st):
-    return jnp.any(~st.done) & (st.step < spec.max_new_tokens)
-
-  return jax.lax.while_loop(cond, lambda st: iteration(target, drafter, spec, st), state)
+  return jax.lax.while_loop(functools.partial(_running, spec), lambda st: iteration(target, drafter, spec, st), state)
 
 
 # --- sharded compile ------------------------------------------------------------------------------
