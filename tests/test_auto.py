@@ -3,7 +3,12 @@ target steps skip the drafter, the device's cost curve is timed once and cached,
 settings end in one line. (Losslessness: tests/test_lossless.py, test_sharding.py,
 test_multiprocess.py and test_sampling.py run auto with the other methods.)"""
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +101,26 @@ def test_cost_curve_is_timed_once_and_cached(pair, tmp_path, monkeypatch):
   _auto(target, drafter).spec(64, batch=3)
   assert len(list((tmp_path / "costs").glob("*.json"))) == 2
   assert cost_curve.REPEATS >= 3
+
+
+def _curve_key(target, drafter) -> str:
+  """The cost-curve cache key of this pair's auto run at batch 2 (costs given: none timed)."""
+  gen = _auto(target, drafter, (1.0, 2.0, 3.0))
+  spec = gen.spec(64, batch=2)
+  return cost_curve._key(gen.graphdef, gen.params,
+                         dataclasses.replace(spec, auto=dataclasses.replace(spec.auto, costs=())), 2)
+
+
+def test_the_cached_curve_is_found_by_another_process(pair):
+  """The cache file's name is the same in a fresh process (the graphdef's text holds function
+  addresses, which differ per process: a key with them made every run re-time its curve)."""
+  code = ("from cure_jax.analysis import random_models; from tests import test_auto as t; "
+          "print(t._curve_key(*random_models.pair(t.ARCH, 4)))")
+  child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                         cwd=Path(__file__).parents[1])
+  assert child.returncode == 0, child.stderr[-2000:]
+  assert child.stdout.split()[-1] == _curve_key(*pair)
 
 
 def test_config_errors_name_the_field():
