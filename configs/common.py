@@ -56,6 +56,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.seed = 0                   # sampling is reproducible from this seed
   config.output = ""                # JSON path; empty: print text and a summary line
   config.check_ar = False           # also decode target-only and report token equality
+  config.warmup = True              # decode the first batch once, untimed, before the timed
+                                    # pass: TPOT of a warm program (a first run pays page faults)
   config.compilation_cache = ""     # JAX persistent compilation cache folder; "" = the cure_jax
                                     # cache folder's xla/ ($CURE_JAX_CACHE), "off" = no cache
   config.compiler_options = ""      # XLA options for the decoding programs, "name=value,...",
