@@ -18,8 +18,8 @@ def get_config():
   config.max_new_tokens = 128
   config.check_ar = True            # the default run also shows it equals target-only decoding
   # Fastest measured here (goodput table, held-out HumanEval 0-15): auto, which takes plain
-  # target steps on this CPU (1.00x target-only at batch 1), where the best fixed tree, ddtree at
-  # v_max 16/32, runs at 0.5x (WORKSPACE.md, "The goodput sweep on this CPU"). Among trees:
+  # target steps on this CPU (0.98x target-only at batch 1, 4 and 16), where the best fixed tree,
+  # ddtree at v_max 16, runs at 0.67x / 0.43x / 0.27x (results/goodput_inner_loop). Among trees:
   # ddtree at v_max 32 tau 2.149 vs cure earliest 1.938 at the same node budget and one
   # drafter pass instead of two; chain 1.660 ("2026-12-01 — Tree strategies side by side").
   config.method = "auto"
