@@ -321,8 +321,8 @@ def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
 
   Plain steps run in their own inner loop, whose body is ar's and no larger; its condition asks
   the controller every step, so the choices are the ones a per-iteration pick would make. The
-  drafted iteration is a loop of at most one trip, not a cond, so that no branch
-  copies the caches."""
+  drafted iteration is a loop of at most one trip, not a cond, so that no branch copies the
+  caches."""
   cfg = spec.auto
 
   def arm(s):
@@ -333,15 +333,13 @@ def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
 
   if cfg.budgets[0] == 1:
     def plain(s):
-      return plain_iteration(target, drafter, spec, s, controller.expected_tokens(s.controller)[:, 0])
+      expected = controller.expected_tokens(s.controller)[:, 0]
+      return plain_iteration(target, drafter, spec, s, expected)
 
     st = jax.lax.while_loop(lambda s: wants(s, True), plain, st)
-  first = jnp.ones((), bool)
-  st, _ = jax.lax.while_loop(
-      lambda c: c[1] & wants(c[0], False),
-      lambda c: (drafted_iteration(target, drafter, spec, c[0], arm(c[0])), ~c[1]),
-      (st, first))
-  return st
+  start = st.step   # the drafted loop's one trip: it ends once the step has moved
+  return jax.lax.while_loop(lambda s: (s.step == start) & wants(s, False),
+                            lambda s: drafted_iteration(target, drafter, spec, s, arm(s)), st)
 
 
 def iteration(target, drafter, spec: Spec, st: State) -> State:
@@ -360,7 +358,8 @@ def decode(graphdef, params, state: State, *, spec: Spec) -> State:
   if spec.draft_vocab:   # its head rows gathered once per call, not every iteration
     drafter.hold_head_rows(target, spec.draft_vocab)
 
-  return jax.lax.while_loop(functools.partial(_running, spec), lambda st: iteration(target, drafter, spec, st), state)
+  return jax.lax.while_loop(functools.partial(_running, spec),
+                            lambda st: iteration(target, drafter, spec, st), state)
 
 
 # --- sharded compile ------------------------------------------------------------------------------
