@@ -8,11 +8,11 @@ weights: one H200, or experts and heads split over a mesh):
   python -m experiments.decode --config=configs/qwen3_coder_30b_a3b.py \
     --config.mesh.data=2 --config.mesh.model=4
 
-The shapes in configs/hf/qwen3_coder_30b_a3b{,_dflash}/config.json are the public model cards'
-as issue 33 states them (target: hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128 experts,
-8 per token, norm_topk_prob, expert intermediate 768, vocabulary 151,936, rope theta 1e7,
-262,144 positions; drafter: 8 layers, hidden 2048, 32 / 4 heads, intermediate 6144, block 16,
-mask token 151669, target layers [1, 12, 23, 34, 45]); the Hub was not reachable to confirm
+The shapes in configs/hf/qwen3_coder_30b_a3b{,_dflash}/config.json are the public model cards' as
+specified for this project (target: hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128
+experts, 8 per token, norm_topk_prob, expert intermediate 768, vocabulary 151,936, rope theta
+1e7, 262,144 positions; drafter: 8 layers, hidden 2048, 32 / 4 heads, intermediate 6144, block
+16, mask token 151669, target layers [1, 12, 23, 34, 45]); the Hub was not reachable to confirm
 them. The target's dense `intermediate_size` is unused (every layer is sparse). The drafter's
 rope theta and positions are taken equal to the target's (not among the stated facts).
 

@@ -343,7 +343,7 @@ def failure(case: Case, error: Exception) -> dict:
 
 
 def traffic_bounds(case: Case, loop: dict, w: dict[str, float], verify_tokens: int = 1) -> dict:
-  """The issue's yardsticks for one iteration: ar / forward against weights + target KV; chain
+  """The yardsticks for one iteration: ar / forward against weights + target KV; chain
   against its minimum (target, drafter layers, one more lm_head read, both caches). For an MoE
   target also the MoE minimum: the same with only the experts the iteration's batch x
   verify_tokens tokens route to, under uniform routing (hlo_traffic's rule for the GPU kernel)."""

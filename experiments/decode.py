@@ -20,7 +20,7 @@ from cure_jax.runtime import distributed, errors, pipeline, prompts as prompts_l
 from cure_jax.costs import roofline
 
 # Qwen3-8B + DFlash-b16 compiled for an H100 (experiments.aot; WORKSPACE.md,
-# "2026-12-03 — Issue 25 in part")
+# "2026-12-03 — GPU work in part")
 GPU_COUNTS = Path(__file__).resolve().parents[1] / "results" / "aot_gpu" / "h100_b1.json"
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",

@@ -1,5 +1,5 @@
 """The recipe of the embedded SmolLM2-135M-Instruct drafter, cure_jax/assets/smollm2_dflash
-(issue 14; its runs are in WORKSPACE.md): 2 layers from the target's top, block 16, CPU-sized
+(its runs are in WORKSPACE.md): 2 layers from the target's top, block 16, CPU-sized
 batches, 3,000 steps over 600k self-generated response tokens.
 
   PYTHONPATH=. python -m experiments.train_drafter --config=configs/train/smollm2_135m.py

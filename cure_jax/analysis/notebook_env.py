@@ -18,7 +18,7 @@ from pathlib import Path
 
 SMALL_ENV = "CURE_JAX_NOTEBOOK_SMALL"
 FAKE_DEVICES = 8
-# Where the scale report of the TPU issue (`python -m experiments.aot`) is looked for, first
+# Where the TPU scale report (`python -m experiments.aot`) is looked for, first
 # match wins; the notebook shows it when one exists.
 SCALE_REPORTS = ("results/aot/*.md", "results/scale/*.md", "results/*aot*.md", "results/*scale*.md")
 HF_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model")
@@ -83,7 +83,7 @@ def tiny_pair(root: str, seed: int = 0) -> tuple[str, str]:
 
 def convert_once(hf_dir: str, out_dir: str, kind: str, dtype: str) -> str:
   """An orbax checkpoint of an HF directory (kind 'target' or 'drafter'), converted on the first
-  call only; later calls (and later sessions) load the folder directly."""
+  call only; later calls (and later runs) load the folder directly."""
   from cure_jax.checkpoints import dflash, qwen3, store
   if store.read_metadata(out_dir) is None:
     convert = qwen3.convert_hf if kind == "target" else dflash.convert_hf
@@ -117,6 +117,6 @@ def byte_ids(text: str, vocab: int, limit: int) -> list[int]:
 
 
 def scale_report(root: str = ".") -> str | None:
-  """The path of the newest scale report of the TPU issue under root, or None."""
+  """The path of the newest TPU scale report under root, or None."""
   found = [p for pattern in SCALE_REPORTS for p in glob.glob(str(Path(root) / pattern))]
   return max(found, key=os.path.getmtime) if found else None

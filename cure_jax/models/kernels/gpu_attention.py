@@ -2,7 +2,7 @@
 
 `layers.xla_attend` builds each layer's scores over the whole cache as XLA tensors. XLA's GPU
 compiler writes them to HBM between the score, softmax and value fusions: for Qwen3-8B at batch 8
-that was most of an iteration's activation traffic (WORKSPACE.md, "2026-12-03 — Issue 25 in part"). This kernel streams
+that was most of an iteration's activation traffic (WORKSPACE.md, "2026-12-03 — GPU work in part"). This kernel streams
 the cache through on-chip memory in blocks of keys with an online softmax, as flash-decoding does,
 so HBM sees the queries, the cache, the masks, the new tokens and small per-range partials only.
 
