@@ -32,15 +32,20 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Linear):
-  """nnx.Linear that never multiplies a single row. XLA's GPU compiler rewrites a one-row
-  matmul ("dot strength reduction") into a multiply that writes a weight-sized intermediate and
-  a reduce that reads it back: three times the weight's traffic (Qwen3-Coder-30B-A3B, ar at
-  batch 1, compiled for an H200: 3.3 of the step's 10.4 GB). A zero second row keeps it a GEMM
-  that reads the weight once; its output row is dropped."""
+  """nnx.Linear whose one-row products stay GEMMs on NVIDIA GPUs. XLA's GPU compiler rewrites a
+  one-row matmul ("dot strength reduction") into a multiply that writes a weight-sized
+  intermediate and a reduce that reads it back: three times the weight's traffic
+  (Qwen3-Coder-30B-A3B, ar at batch 1, compiled for an H200: 3.3 of the step's 10.4 GB). There a
+  zero second row keeps it a GEMM that reads the weight once; its output row is dropped. Other
+  platforms multiply the one row as it is: on CPU the second row doubles the work of a
+  projection (target-only decoding 1.3x slower)."""
 
   def __call__(self, x):
     if math.prod(x.shape[:-1]) != 1:
       return super().__call__(x)
+    return jax.lax.platform_dependent(x, cuda=self._two_rows, default=super().__call__)
+
+  def _two_rows(self, x):
     two = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))                   # [2, in]
     return super().__call__(two)[:1].reshape(x.shape[:-1] + (-1,))
 
