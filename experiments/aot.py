@@ -449,9 +449,10 @@ def main(argv):
   if topology == "cpu" and config.dtype == "bfloat16":
     print("note: the CPU backend upcasts bf16 weights (temporaries of the model's size); CPU "
           "figures are meaningful in float32 (--config.dtype=float32)")
-  options = pipeline.compiler_options(_OPTIONS.value)
   dump = gpu_setup(topology)
   devices = topology_devices(topology)
+  options = decoding.platform_options(devices[0].platform,
+                                      pipeline.compiler_options(_OPTIONS.value))
   with config.unlocked():   # 0: the compiled-for platform's default, not this host's
     config.prefill_chunk = platform_prefill_chunk(int(config.prefill_chunk), devices[0].platform)
   mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)

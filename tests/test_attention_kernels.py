@@ -106,6 +106,62 @@ def test_gpu_kernel_reads_no_block_past_the_last_visible_slot():
   assert np.isfinite(np.asarray(got)).all()
 
 
+def test_tpu_kernel_reads_no_block_past_the_last_visible_slot():
+  """Each batch row's grid steps past its last visible 512-slot block repeat that block's index
+  (no fetch) and skip its update: poison the slots past it (NaN) and the result holds."""
+  args = list(_inputs((2, 1, 4, 4, 2, 64, 2048, 4), seed=3))
+  args[5] = np.broadcast_to(np.arange(2048) < np.array([130, 700])[:, None, None, None],
+                            args[5].shape)
+  want = tpu_attention.attend(*map(jnp.asarray, args), interpret=True)
+  for i, n in enumerate((512, 1024)):            # past the 512-slot block holding the last one
+    args[1][i, :, n:] = np.nan
+    args[2][i, :, n:] = np.nan
+  got = tpu_attention.attend(*map(jnp.asarray, args), interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.isfinite(np.asarray(got)).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(2, 1, 4, 4, 2, 16, 1300, 4)])
+def test_cpu_blocked_attention_equals_softmax_attention(shape, monkeypatch):
+  """The CPU form reads the cache in blocks (here 128 slots, so several; 1300 slots end in a
+  block that overlaps the one before it) with an online softmax."""
+  monkeypatch.setattr(layers, "CACHE_BLOCK", 128)
+  args = _inputs(shape, seed=sum(shape), shared_mask=shape[1] > 1)
+  want = reference(*(np.asarray(x, np.float64) if x.dtype != bool else
+                     np.broadcast_to(x, args[0].shape[:3] + x.shape[-1:]) for x in args))
+  got = jax.jit(layers.blocked_attend)(*map(jnp.asarray, args))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_cpu_blocked_attention_reads_no_block_past_the_last_visible_slot(monkeypatch):
+  """Its loop stops after the block holding the last slot any row sees: poison the slots past
+  it (NaN) and the result holds, bitwise. So a step's work follows the context held."""
+  monkeypatch.setattr(layers, "CACHE_BLOCK", 128)
+  args = list(_inputs((2, 1, 4, 4, 2, 16, 1024, 4), seed=4))
+  args[5] = np.broadcast_to(np.arange(1024) < np.array([130, 300])[:, None, None, None],
+                            args[5].shape)
+  attend = jax.jit(layers.blocked_attend)
+  want = attend(*map(jnp.asarray, args))
+  args[1][:, :, 384:] = np.nan                     # past the block holding slot 299
+  args[2][:, :, 384:] = np.nan
+  got = attend(*map(jnp.asarray, args))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.isfinite(np.asarray(got)).all()
+
+
+def test_cpu_blocked_attention_of_a_row_does_not_depend_on_the_others(monkeypatch):
+  """A row's output is bitwise the same alone and beside a row that sees 7 more blocks: the
+  extra blocks add exact zeros to its sums and leave its running maximum as it was."""
+  monkeypatch.setattr(layers, "CACHE_BLOCK", 128)
+  args = list(_inputs((2, 1, 1, 4, 2, 16, 1024, 1), seed=6))
+  args[5] = np.broadcast_to(np.arange(1024) < np.array([100, 1000])[:, None, None, None],
+                            args[5].shape)
+  attend = jax.jit(layers.blocked_attend)
+  both = attend(*map(jnp.asarray, args))
+  alone = attend(*(jnp.asarray(np.stack([x[0], x[0]])) for x in args))
+  np.testing.assert_array_equal(np.asarray(both)[0], np.asarray(alone)[0])
+
+
 def test_on_fake_cpu_devices(tmp_path):
   run_in_child(__file__, "sharded_kernel", tmp_path, devices=8)
 

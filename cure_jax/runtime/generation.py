@@ -192,7 +192,9 @@ class Generator:
     """Compiled prefill and decode, shared by every Generator with the same model structure."""
     spec = self.spec(max_len, batch)
     key = (self.graphdef, spec, batch, bucket, self.mesh, self.compiler_options)
-    options = dict(self.compiler_options)
+    platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
+                else jax.default_backend())
+    options = decoding.platform_options(platform, dict(self.compiler_options))
     if key not in _EXECUTABLES and self.mesh is not None:
       t0 = time.perf_counter()
       _EXECUTABLES[key] = decoding.compile_sharded(self.graphdef, self.params, spec, batch,

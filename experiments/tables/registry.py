@@ -6,14 +6,15 @@ machinery of bench.py; `run_tables` maps the benchmark's flags onto their option
 
 from __future__ import annotations
 
-from experiments.tables import (diagnostic, goodput, long_context, peers, sweep, table1, table3,
-                               table4, table5, trees)
+from experiments.tables import (cache_cost, diagnostic, goodput, long_context, peers, sweep,
+                               table1, table3, table4, table5, trees)
 from experiments.tables.bench import Bench
 
 TABLES = {"1": table1.table1, "3": table3.table3, "4": table4.table4, "5": table5.table5,
           "diagnostic": diagnostic.diagnostic, "sweep": sweep.table_sweep,
           "peers": peers.table_peers, "trees": trees.table_trees,
-          "goodput": goodput.table_goodput, "long_context": long_context.table_long_context}
+          "goodput": goodput.table_goodput, "long_context": long_context.table_long_context,
+          "cache_cost": cache_cost.table_cache_cost}
 
 
 def _options(name: str, kwargs: dict) -> dict:
@@ -43,7 +44,8 @@ def _options(name: str, kwargs: dict) -> dict:
 
 def run_tables(bench: Bench, which: str, **kwargs) -> dict:
   """Runs tables named in `which`: one of '1', '3', '4', '5', 'diagnostic', 'sweep', 'peers',
-  'trees', 'goodput', 'long_context', a comma-separated list of them (decodes are shared), or 'all'."""
+  'trees', 'goodput', 'long_context', 'cache_cost', a comma-separated list of them (decodes are
+  shared), or 'all'."""
   names = list(TABLES) if which == "all" else [n.strip() for n in which.split(",")]
   bad = [n for n in names if n not in TABLES]
   if bad:

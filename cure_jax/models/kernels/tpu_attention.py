@@ -39,9 +39,11 @@ def key_block(s: int) -> int:
   return next(c for c in (512, 256, 128) if s % c == 0)
 
 
-def _kernel(q_ref, k_ref, v_ref, mo_ref, kn_ref, vn_ref, mn_ref, o_ref, m_sc, l_sc, acc_sc, *,
-            scale: float, groups: int):
-  """One (batch row, KV head) pair, one block of cache slots; the new tokens at the last block."""
+def _kernel(last_ref, q_ref, k_ref, v_ref, mo_ref, kn_ref, vn_ref, mn_ref, o_ref, m_sc, l_sc,
+            acc_sc, *, scale: float, groups: int):
+  """One (batch row, KV head) pair, one block of cache slots; the new tokens at the last block.
+  Blocks past last_ref[row] (the last one the row's queries see) are neither fetched (their
+  index map repeats that block, which the pipeline does not fetch again) nor computed."""
   j = pl.program_id(2)
 
   @pl.when(j == 0)
@@ -64,7 +66,9 @@ def _kernel(q_ref, k_ref, v_ref, mo_ref, kn_ref, vn_ref, mn_ref, o_ref, m_sc, l_
           p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
       m_sc[g] = m_new
 
-  update(k_ref[...], v_ref[...], mo_ref[...] != 0)
+  @pl.when(j <= last_ref[pl.program_id(0)])
+  def _cache_block():
+    update(k_ref[...], v_ref[...], mo_ref[...] != 0)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _finish():
@@ -82,22 +86,28 @@ def kernel_call(q, k_old, v_old, mask_old, k_new, v_new, mask_new, *, interpret:
   s, n = k_old.shape[2], k_new.shape[2]
   sb = key_block(s)
   sq = pl.squeezed
+  seen = jnp.max(jnp.where(jnp.any(mask_old != 0, axis=1), jnp.arange(s) + 1, 0), axis=-1)
+  last = jnp.maximum(seen - 1, 0) // sb                                    # [B] int32
+  cache = lambda i, h, j, last: (i, h, jnp.minimum(j, last[i]), 0)        # noqa: E731
+  whole = lambda i, h, j, last: (i, h, 0, 0)                              # noqa: E731
   return pl.pallas_call(
       functools.partial(_kernel, scale=1.0 / math.sqrt(d), groups=g),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      grid=(b, kvh, s // sb),
-      in_specs=[
-          pl.BlockSpec((sq, sq, g, r, d), lambda i, h, j: (i, h, 0, 0, 0)),
-          pl.BlockSpec((sq, sq, sb, d), lambda i, h, j: (i, h, j, 0)),
-          pl.BlockSpec((sq, sq, sb, d), lambda i, h, j: (i, h, j, 0)),
-          pl.BlockSpec((sq, r, sb), lambda i, h, j: (i, 0, j)),
-          pl.BlockSpec((sq, sq, n, d), lambda i, h, j: (i, h, 0, 0)),
-          pl.BlockSpec((sq, sq, n, d), lambda i, h, j: (i, h, 0, 0)),
-          pl.BlockSpec((sq, r, n), lambda i, h, j: (i, 0, 0)),
-      ],
-      out_specs=pl.BlockSpec((sq, sq, g, r, d), lambda i, h, j: (i, h, 0, 0, 0)),
-      scratch_shapes=[pltpu.VMEM((g, r, 1), jnp.float32), pltpu.VMEM((g, r, 1), jnp.float32),
-                      pltpu.VMEM((g, r, d), jnp.float32)],
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(b, kvh, s // sb),
+          in_specs=[
+              pl.BlockSpec((sq, sq, g, r, d), lambda i, h, j, last: (i, h, 0, 0, 0)),
+              pl.BlockSpec((sq, sq, sb, d), cache),
+              pl.BlockSpec((sq, sq, sb, d), cache),
+              pl.BlockSpec((sq, r, sb), lambda i, h, j, last: (i, 0, jnp.minimum(j, last[i]))),
+              pl.BlockSpec((sq, sq, n, d), whole),
+              pl.BlockSpec((sq, sq, n, d), whole),
+              pl.BlockSpec((sq, r, n), lambda i, h, j, last: (i, 0, 0)),
+          ],
+          out_specs=pl.BlockSpec((sq, sq, g, r, d), lambda i, h, j, last: (i, h, 0, 0, 0)),
+          scratch_shapes=[pltpu.VMEM((g, r, 1), jnp.float32), pltpu.VMEM((g, r, 1), jnp.float32),
+                          pltpu.VMEM((g, r, d), jnp.float32)]),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       # what XLA's cost analysis (and experiments.aot's projection) counts for the kernel
@@ -106,7 +116,7 @@ def kernel_call(q, k_old, v_old, mask_old, k_new, v_new, mask_new, *, interpret:
           bytes_accessed=sum(x.size * x.dtype.itemsize
                              for x in (q, q, k_old, v_old, mask_old, k_new, v_new, mask_new))),
       interpret=interpret,
-  )(q, k_old, v_old, mask_old, k_new, v_new, mask_new)
+  )(last.astype(jnp.int32), q, k_old, v_old, mask_old, k_new, v_new, mask_new)
 
 
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool = False):
