@@ -42,6 +42,7 @@ def _timed(generator, ids, config):
 
 
 def run(config):
+  pipeline.check_config(config)
   pipeline.enable_compilation_cache(config)
   pipeline.resolve_paths(config)
   target = pipeline.load_target(config)

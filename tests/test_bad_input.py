@@ -1,6 +1,10 @@
 """Every input a user can get wrong fails early with a message that says what to fix."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +136,57 @@ def test_prompt_files(tmp_path):
     prompts.encode([{"prompt_ids": [1, 99]}], None, True, vocab_size=8)
   with pytest.raises(ValueError, match="need a tokenizer"):
     prompts.encode([{"prompt": "hi"}], None, True, vocab_size=8)
+
+
+# --- the command line: one `error:` line, exit 2, no traceback ---------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, jax_platforms: str | None = "cpu"):
+  """`python -m experiments.decode ARGS` in a child process, as a user runs it (with
+  JAX_PLATFORMS set to `jax_platforms`, or unset for None)."""
+  env = {**os.environ, "JAX_PLATFORMS": jax_platforms,
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  env = {k: v for k, v in env.items() if v is not None and k != "CURE_JAX_TRACEBACK"}
+  return subprocess.run([sys.executable, "-m", "experiments.decode", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(child) -> str:
+  assert child.returncode == 2, child.stderr[-3000:]
+  assert "Traceback" not in child.stderr, child.stderr[-3000:]
+  lines = [line for line in child.stderr.splitlines() if line.startswith("error: ")]
+  assert len(lines) == 1, child.stderr[-3000:]
+  return lines[0]
+
+
+@pytest.mark.parametrize("args, line", [
+    (("--config.batch_size=0",),
+     "error: batch_size=0 must be a positive integer (prompts decoded together)"),
+], ids=["batch_size_0"])
+def test_config_mistakes_are_one_line(args, line):
+  child = _cli(*args)
+  assert _one_error_line(child) == line
+  assert child.stderr.strip().splitlines()[-1] == line
+
+
+def test_run_settings_are_checked_before_loading(pair):
+  from configs.common import base_config
+  for field, value, says in [
+      ("batch_size", -2, "batch_size=-2 must be a positive integer (prompts decoded together)"),
+      ("max_len", -5, "max_len=-5 must be >= 0 (the static cache length; 0 = each prompt's "),
+      ("num_prompts", -1, "num_prompts=-1 must be >= 0 (the first N prompts; 0 = all)"),
+      ("drafter.gamma", 0, "drafter.gamma=0 must be a positive integer (ar_draft: drafted ")]:
+    config = base_config()
+    node = config.drafter if field.startswith("drafter.") else config
+    node[field.split(".")[-1]] = value
+    with pytest.raises(ValueError) as e:
+      pipeline.check_config(config)
+    assert str(e.value).startswith(says)
+  pipeline.check_config(base_config())
+  gen = Generator(pair[0], method="ar", max_new_tokens=4)
+  with pytest.raises(ValueError, match="batch_size=0 must be a positive integer"):
+    pipeline.decode_all(gen, [[1, 2]], 0)
+  with pytest.raises(ValueError, match="no prompts to decode"):
+    gen.generate([])

@@ -216,7 +216,9 @@ class Generator:
   def generate(self, prompts: list[list[int]], seed: int | None = None) -> list[Result]:
     """Decodes one batch of prompts (lists of ids); returns one Result per prompt. Sampling is
     reproducible from `seed` (default: the Generator's)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if not prompts:
+      raise ValueError("no prompts to decode: the batch is empty")
+    if any(len(p) == 0 for p in prompts):
       raise ValueError("every prompt needs at least one token")
     count = len(prompts)
     if self.mesh is not None:  # pad with copies of the last prompt to a multiple of mesh.data
