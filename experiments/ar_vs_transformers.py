@@ -12,7 +12,7 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from cure_jax.runtime import errors, pipeline
 from cure_jax.runtime.generation import Generator
@@ -95,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

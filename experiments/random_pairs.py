@@ -9,7 +9,7 @@ show the mechanism (and its cost per compiled step), not language-model quality.
 import json
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from cure_jax.runtime import errors, pipeline
 from cure_jax.tree import repair
@@ -57,4 +57,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

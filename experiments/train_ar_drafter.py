@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from cure_jax.checkpoints import qwen3 as convert_qwen3, store
@@ -277,4 +277,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

@@ -162,13 +162,33 @@ def _one_error_line(child) -> str:
 
 
 @pytest.mark.parametrize("args, line", [
+    (("--config.cure.vmax=3",),   # the default config: ml_collections applies it at import
+     "error: unknown config field 'cure.vmax'; did you mean 'cure.v_max'?"),
+    (("--config=configs/smollm2_135m.py", "--config.batch_size=abc"),   # applied by absl
+     "error: --config.batch_size=abc: config.batch_size takes an int (the config has 1)"),
     (("--config.batch_size=0",),
      "error: batch_size=0 must be a positive integer (prompts decoded together)"),
-], ids=["batch_size_0"])
+], ids=["unknown_field", "wrong_type", "batch_size_0"])
 def test_config_mistakes_are_one_line(args, line):
   child = _cli(*args)
   assert _one_error_line(child) == line
   assert child.stderr.strip().splitlines()[-1] == line
+
+
+def test_unknown_config_fields_name_the_nearest():
+  from configs.common import base_config
+  from cure_jax.runtime import errors
+  config = base_config()
+  assert errors.unknown_field(config, "cure.v_max") is None
+  assert errors.unknown_field(config, "vmax") == ("unknown config field 'vmax'; did you mean "
+                                                  "'cure.v_max'?")
+  assert errors.unknown_field(config, "mesh.dta") == ("unknown config field 'mesh.dta'; did you "
+                                                      "mean 'mesh.data'?")
+  assert errors.unknown_field(config, "numerics").startswith(
+      "unknown config field 'numerics'; the fields are: auto, batch_size, ")
+  assert errors.unknown_field(config, "cure.v_max.x") == (
+      "unknown config field 'cure.v_max.x': 'cure.v_max' is a setting (64 in the config), not a "
+      "group of fields")
 
 
 def test_run_settings_are_checked_before_loading(pair):
