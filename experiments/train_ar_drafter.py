@@ -32,7 +32,7 @@ from absl import flags
 from flax import nnx
 
 from cure_jax.checkpoints import qwen3 as convert_qwen3, store
-from cure_jax.runtime import default_model, errors
+from cure_jax.runtime import default_model, distributed, errors
 from cure_jax.training import data as drafter_data
 from cure_jax.training.batches import Data
 from cure_jax.models.qwen3 import Qwen3
@@ -194,6 +194,7 @@ def export(model: Qwen3, out_dir: str, target_dir: str, info: dict) -> None:
 
 def main(argv):
   del argv
+  distributed.announce_devices()
   t_start = time.time()
   if Path(FLAGS.export).exists() and any(Path(FLAGS.export).iterdir()):
     raise FileExistsError(f"{FLAGS.export} exists; remove it or pass another --export")

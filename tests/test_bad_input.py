@@ -210,3 +210,31 @@ def test_run_settings_are_checked_before_loading(pair):
     pipeline.decode_all(gen, [[1, 2]], 0)
   with pytest.raises(ValueError, match="no prompts to decode"):
     gen.generate([])
+
+
+def test_jax_startup_shows_the_devices_not_the_probes():
+  """The probe records are dropped (absl shows INFO), JAX's warnings are kept; the devices line
+  names the kind and count, and the user's JAX_PLATFORMS."""
+  import logging
+  from cure_jax.runtime import distributed, errors
+  errors.quiet_jax_startup()
+  probe = logging.getLogger("jax._src.xla_bridge")
+  seen = []
+
+  class Keep(logging.Handler):
+    def emit(self, record):
+      seen.append(record.getMessage())
+
+  keep, level = Keep(), logging.root.level
+  logging.root.addHandler(keep)
+  logging.root.setLevel(logging.INFO)
+  try:
+    probe.info("Unable to initialize backend 'tpu': NOT_FOUND: No jellyfish device found.")
+    probe.warning("A Google TPU may be present on this machine, but ...")
+  finally:
+    logging.root.removeHandler(keep)
+    logging.root.setLevel(level)
+  assert seen == ["A Google TPU may be present on this machine, but ..."]
+  platforms = os.environ.get("JAX_PLATFORMS")   # conftest's cpu
+  assert distributed.describe_devices() == "devices: 1 × cpu" + (
+      f" (JAX_PLATFORMS={platforms})" if platforms else "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import os
 import re
 import sys
@@ -45,8 +46,9 @@ def cli(main):
 
 def run(main) -> None:
   """absl's app.run for an entry point: flag mistakes and user errors are one `error:` line
-  (exit 2)."""
+  (exit 2), and JAX's probing of backends this machine does not have is not logged."""
   from absl import app
+  quiet_jax_startup()
   app.run(cli(main), flags_parser=parse_flags)
 
 
@@ -197,3 +199,64 @@ def _flag_error(e) -> str:
 
 def _article(word: str) -> str:
   return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+# --- what the user sees of JAX's start-up ------------------------------------------------------
+
+class _BackendProbes(logging.Filter):
+  """Drops JAX's INFO record of each backend it tried and could not start ("Unable to
+  initialize backend 'tpu': ..." on machines without a TPU). JAX itself warns (a WARNING, kept)
+  when the hardware is there but its backend failed, and raises when JAX_PLATFORMS names a
+  backend that fails. Kept at absl's --v=1."""
+
+  def filter(self, record):
+    return not (record.levelno <= logging.INFO and logging.root.level >= logging.INFO
+                and str(record.msg).startswith("Unable to initialize backend"))
+
+
+def _jax_plugins() -> set[str]:
+  """Names of the installed PJRT plugins JAX will load (its `jax_plugins` namespace package and
+  entry points)."""
+  import importlib.metadata
+  import importlib.util
+  import pkgutil
+  names = {ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")}
+  spec = importlib.util.find_spec("jax_plugins")
+  if spec is not None and spec.submodule_search_locations:
+    names |= {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)}
+  return names
+
+
+def only_cpu_can_start() -> bool:
+  """Whether JAX could start no backend but its CPU one here: Linux, no TPU chip on the PCI bus
+  and no NVIDIA or AMD GPU device (JAX's own hardware checks), no PJRT plugin but those for such
+  GPUs, none named in PJRT_NAMES_AND_LIBRARY_PATHS, and no JAX_FORCE_TPU_INIT."""
+  if (not sys.platform.startswith("linux") or os.environ.get("PJRT_NAMES_AND_LIBRARY_PATHS")
+      or "JAX_FORCE_TPU_INIT" in os.environ):
+    return False
+  try:
+    from jax._src import hardware_utils
+    if (hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+        or hardware_utils.has_visible_nvidia_gpu()):
+      return False
+  except Exception:  # noqa: BLE001 - a JAX without these checks: leave the choice to JAX
+    return False
+  if os.path.exists("/dev/kfd"):   # an AMD GPU (ROCm)
+    return False
+  return all("cuda" in name or "rocm" in name for name in _jax_plugins())
+
+
+def quiet_jax_startup() -> None:
+  """What a run prints of JAX's start-up is the devices it uses (distributed.announce_devices),
+  not its probes of backends this machine lacks: the INFO record of each failed probe is
+  dropped (_BackendProbes) and, where JAX_PLATFORMS is unset and only the CPU backend can start
+  (only_cpu_can_start), JAX is told so, which skips the TPU probe and the lines libtpu prints
+  on a machine without a TPU ("Failed to find host bounds ...", "No jellyfish device found").
+  A JAX_PLATFORMS the user sets is left as it is."""
+  logger = logging.getLogger("jax._src.xla_bridge")
+  if not any(isinstance(f, _BackendProbes) for f in logger.filters):
+    logger.addFilter(_BackendProbes())
+  if not os.environ.get("JAX_PLATFORMS") and only_cpu_can_start():
+    import jax
+    if not jax.config.jax_platforms:
+      jax.config.update("jax_platforms", "cpu")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cure_jax import methods
-from cure_jax.runtime import hub
+from cure_jax.runtime import distributed, hub
 from cure_jax.runtime import draft_vocab as draft_vocab_lib, files
 from cure_jax.runtime.generation import Generator, Result
 from cure_jax.tree import controller, repair
@@ -135,6 +135,7 @@ def _qwen3(config, path: str):
 def load_target(config):
   if not config.target.path:
     raise ValueError("set --config.target.path to a Qwen3/Llama HF directory or converted checkpoint")
+  distributed.announce_devices()   # once per run: the devices the model goes to
   return _qwen3(config, config.target.path)
 
 
