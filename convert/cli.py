@@ -4,7 +4,7 @@ kind, a wrong dtype) ends in one `error:` line, as in every entry point."""
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from cure_jax.runtime import errors
 
@@ -30,4 +30,4 @@ def run(what: str, convert_hf, export_hf) -> None:
       written = convert_hf(args.hf_dir, args.out, args.dtype or "bfloat16")
     print(f"wrote {written}")
 
-  app.run(errors.cli(main))
+  errors.run(main)

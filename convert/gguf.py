@@ -4,7 +4,7 @@
     python -m convert.gguf --gguf=model.gguf --out=/tmp/model
 """
 
-from absl import app, flags
+from absl import flags
 
 from cure_jax.checkpoints import gguf
 from cure_jax.runtime import errors
@@ -24,4 +24,4 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "Output Hugging Face model directory.")
   flags.DEFINE_bool("overwrite", False, "Replace --out if it exists and is not empty.")
   flags.mark_flag_as_required("out")
-  app.run(errors.cli(main))
+  errors.run(main)

@@ -42,7 +42,6 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
-from ml_collections import config_flags
 
 from cure_jax.checkpoints import dflash as convert_dflash, qwen3 as convert_qwen3
 from cure_jax.checkpoints.store import read_hf_config
@@ -53,8 +52,7 @@ from cure_jax.runtime.generation import decoding_spec, platform_prefill_chunk
 from cure_jax.costs import gpu_targets, hlo_traffic, launches
 from cure_jax.analysis import compiled_report, report
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_8b.py",
-                                          "decoding config (dtype, mesh, cure settings)")
+_CONFIG = errors.config_flag("configs/qwen3_8b.py", "decoding config (dtype, mesh, cure settings)")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU topology (v5e:2x2, v6e:2x2, "
                                 "v5p:2x2x1, ...) or 'cpu' for the host's CPU backend")
 _TARGET = flags.DEFINE_string("target", "configs/hf/qwen3_8b", "HF directory of the target "
@@ -495,4 +493,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

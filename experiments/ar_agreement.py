@@ -16,15 +16,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
 from cure_jax.runtime import errors, pipeline, prompts as prompts_lib
 from cure_jax.analysis import report
 from experiments.tables.bench import common_prefix
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "ml_collections config file (target, prompts)")
+_CONFIG = errors.config_flag("configs/smollm2_135m.py",
+                             "ml_collections config file (target, prompts)")
 _OURS = flags.DEFINE_string("ours", None, "raw/ar.json of our Table 1 run; without it only the "
                             "reference outputs are generated and cached (first --num_prompts)")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 0, "without --ours: first N prompts (0 = all)")
@@ -121,4 +120,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

@@ -12,9 +12,9 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from cure_jax.runtime import errors, pipeline
+from cure_jax.runtime import distributed, errors, pipeline
 from cure_jax.runtime.generation import Generator
 
 _TARGET = flags.DEFINE_string("target", "random", "'random', 'embedded:smollm2' or an HF directory")
@@ -70,6 +70,7 @@ def _prompts(path: str, vocab: int) -> list[list[int]]:
 
 def main(argv):
   del argv
+  distributed.announce_devices()
   with tempfile.TemporaryDirectory() as tmp:
     path = _TARGET.value
     if path == "random":
@@ -95,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

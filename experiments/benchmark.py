@@ -24,14 +24,12 @@ executes model-written code in a resource-limited subprocess (see humaneval_exec
 from pathlib import Path
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from cure_jax.runtime import errors, pipeline
 from experiments.tables import registry, sweep, table4
 from experiments.tables.bench import from_config
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "ml_collections config file")
+_CONFIG = errors.config_flag("configs/smollm2_135m.py", "ml_collections config file")
 _TABLE = flags.DEFINE_string("table", "1", f"table to run: {', '.join(registry.TABLES)}, a "
                              "comma-separated list (sharing decodes) or all")
 _RESULTS = flags.DEFINE_string("results", "results", "output folder")
@@ -115,4 +113,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

@@ -13,9 +13,6 @@ reports and writes the output.
 import json
 from pathlib import Path
 
-from absl import app
-from ml_collections import config_flags
-
 from cure_jax.runtime import distributed, errors, pipeline, prompts as prompts_lib
 from cure_jax.costs import roofline
 
@@ -23,8 +20,7 @@ from cure_jax.costs import roofline
 # "2026-12-03 — GPU work in part")
 GPU_COUNTS = Path(__file__).resolve().parents[1] / "results" / "aot_gpu" / "h100_b1.json"
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "ml_collections config file")
+_CONFIG = errors.config_flag("configs/smollm2_135m.py", "ml_collections config file")
 
 
 def main(argv):
@@ -42,6 +38,7 @@ def _timed(generator, ids, config):
 
 
 def run(config):
+  pipeline.check_config(config)
   pipeline.enable_compilation_cache(config)
   pipeline.resolve_paths(config)
   target = pipeline.load_target(config)
@@ -101,4 +98,4 @@ def gpu_projection(method: str, tau: float, v_max: int) -> dict | None:
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

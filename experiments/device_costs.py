@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from cure_jax.analysis import random_models
@@ -224,4 +224,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

@@ -23,8 +23,7 @@ lowers τ: the table gives the τ at which it stops paying).
 import json
 from pathlib import Path
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
 from cure_jax.checkpoints.store import read_hf_config
 from cure_jax.analysis import report
@@ -33,8 +32,7 @@ from cure_jax.runtime import draft_vocab, errors, pipeline
 from experiments.tables import bench as bench_lib
 from experiments.tables.draft_vocab import SIZES, table_draft_vocab
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "ml_collections config file")
+_CONFIG = errors.config_flag("configs/smollm2_135m.py", "ml_collections config file")
 _STAGE = flags.DEFINE_enum("stage", "measure", ["counts", "measure", "project"], "what to do")
 _RESPONSES = flags.DEFINE_string("responses", "data/drafter_responses/smollm2_v2.npz",
                                  "counts: the drafter's training responses (tokens, lengths, "
@@ -132,4 +130,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

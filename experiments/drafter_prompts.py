@@ -20,7 +20,7 @@ import sys
 import textwrap
 import warnings
 
-from absl import app, flags
+from absl import flags
 
 from cure_jax.runtime import errors, pipeline, prompts as prompts_lib
 
@@ -220,4 +220,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

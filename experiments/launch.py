@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from absl import app, flags
+from absl import flags
 
 from cure_jax.runtime import errors
 
@@ -120,4 +120,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

@@ -166,4 +166,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

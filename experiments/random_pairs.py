@@ -9,9 +9,9 @@ show the mechanism (and its cost per compiled step), not language-model quality.
 import json
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from cure_jax.runtime import errors, pipeline
+from cure_jax.runtime import distributed, errors, pipeline
 from cure_jax.tree import repair
 from cure_jax.runtime.generation import Generator
 from cure_jax.analysis import random_models
@@ -24,6 +24,7 @@ _OUTPUT = flags.DEFINE_string("output", "", "JSON results path")
 
 def main(argv):
   del argv
+  distributed.announce_devices()
   arch = random_models.Arch(vocab=_VOCAB.value, block_size=8, target_layer_ids=(0, 2))
   methods = {
       "chain": dict(method="chain"),
@@ -57,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

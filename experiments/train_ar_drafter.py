@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from cure_jax.checkpoints import qwen3 as convert_qwen3, store
-from cure_jax.runtime import default_model, errors
+from cure_jax.runtime import default_model, distributed, errors
 from cure_jax.training import data as drafter_data
 from cure_jax.training.batches import Data
 from cure_jax.models.qwen3 import Qwen3
@@ -194,6 +194,7 @@ def export(model: Qwen3, out_dir: str, target_dir: str, info: dict) -> None:
 
 def main(argv):
   del argv
+  distributed.announce_devices()
   t_start = time.time()
   if Path(FLAGS.export).exists() and any(Path(FLAGS.export).iterdir()):
     raise FileExistsError(f"{FLAGS.export} exists; remove it or pass another --export")
@@ -277,4 +278,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

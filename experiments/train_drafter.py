@@ -27,13 +27,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_disable_hlo_passes=constant_folding")
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from cure_jax.runtime import distributed, errors, pipeline
 from cure_jax.training import trainer as drafter_training
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/train/smollm2_135m.py",
-                                          "ml_collections drafter training config file")
+_CONFIG = errors.config_flag("configs/train/smollm2_135m.py",
+                             "ml_collections drafter training config file")
 _STAGE = flags.DEFINE_enum("stage", "train", ["data", "rebuild", "train", "export", "measure"],
                            "data (the target's responses and features), rebuild (a data folder "
                            "from a responses file), train (then export when train.steps are "
@@ -153,4 +152,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(errors.cli(main))
+  errors.run(main)

@@ -1,6 +1,11 @@
 """Every input a user can get wrong fails early with a message that says what to fix."""
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +137,183 @@ def test_prompt_files(tmp_path):
     prompts.encode([{"prompt_ids": [1, 99]}], None, True, vocab_size=8)
   with pytest.raises(ValueError, match="need a tokenizer"):
     prompts.encode([{"prompt": "hi"}], None, True, vocab_size=8)
+
+
+# --- the command line: one `error:` line, exit 2, no traceback ---------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, jax_platforms: str | None = "cpu"):
+  """`python -m experiments.decode ARGS` in a child process, as a user runs it (with
+  JAX_PLATFORMS set to `jax_platforms`, or unset for None)."""
+  env = {**os.environ, "JAX_PLATFORMS": jax_platforms,
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  env = {k: v for k, v in env.items() if v is not None and k != "CURE_JAX_TRACEBACK"}
+  return subprocess.run([sys.executable, "-m", "experiments.decode", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(child) -> str:
+  assert child.returncode == 2, child.stderr[-3000:]
+  assert "Traceback" not in child.stderr, child.stderr[-3000:]
+  lines = [line for line in child.stderr.splitlines() if line.startswith("error: ")]
+  assert len(lines) == 1, child.stderr[-3000:]
+  return lines[0]
+
+
+@pytest.mark.parametrize("args, line", [
+    (("--config.cure.vmax=3",),   # the default config: ml_collections applies it at import
+     "error: unknown config field 'cure.vmax'; did you mean 'cure.v_max'?"),
+    (("--config=configs/smollm2_135m.py", "--config.batch_size=abc"),   # applied by absl
+     "error: --config.batch_size=abc: config.batch_size takes an int (the config has 1)"),
+    (("--config.batch_size=0",),
+     "error: batch_size=0 must be a positive integer (prompts decoded together)"),
+], ids=["unknown_field", "wrong_type", "batch_size_0"])
+def test_config_mistakes_are_one_line(args, line):
+  child = _cli(*args)
+  assert _one_error_line(child) == line
+  assert child.stderr.strip().splitlines()[-1] == line
+
+
+def test_unknown_config_fields_name_the_nearest():
+  from configs.common import base_config
+  from cure_jax.runtime import errors
+  config = base_config()
+  assert errors.unknown_field(config, "cure.v_max") is None
+  assert errors.unknown_field(config, "vmax") == ("unknown config field 'vmax'; did you mean "
+                                                  "'cure.v_max'?")
+  assert errors.unknown_field(config, "mesh.dta") == ("unknown config field 'mesh.dta'; did you "
+                                                      "mean 'mesh.data'?")
+  assert errors.unknown_field(config, "numerics").startswith(
+      "unknown config field 'numerics'; the fields are: auto, batch_size, ")
+  assert errors.unknown_field(config, "cure.v_max.x") == (
+      "unknown config field 'cure.v_max.x': 'cure.v_max' is a setting (64 in the config), not a "
+      "group of fields")
+
+
+def test_run_settings_are_checked_before_loading(pair):
+  from configs.common import base_config
+  for field, value, says in [
+      ("batch_size", -2, "batch_size=-2 must be a positive integer (prompts decoded together)"),
+      ("max_len", -5, "max_len=-5 must be >= 0 (the static cache length; 0 = each prompt's "),
+      ("num_prompts", -1, "num_prompts=-1 must be >= 0 (the first N prompts; 0 = all)"),
+      ("drafter.gamma", 0, "drafter.gamma=0 must be a positive integer (ar_draft: drafted ")]:
+    config = base_config()
+    node = config.drafter if field.startswith("drafter.") else config
+    node[field.split(".")[-1]] = value
+    with pytest.raises(ValueError) as e:
+      pipeline.check_config(config)
+    assert str(e.value).startswith(says)
+  pipeline.check_config(base_config())
+  gen = Generator(pair[0], method="ar", max_new_tokens=4)
+  with pytest.raises(ValueError, match="batch_size=0 must be a positive integer"):
+    pipeline.decode_all(gen, [[1, 2]], 0)
+  with pytest.raises(ValueError, match="no prompts to decode"):
+    gen.generate([])
+
+
+# --- device memory: refused before compiling, with the largest setting that fits ---------------
+
+def test_memory_estimate_bounds_the_compiled_program():
+  """On a tree-dominated case (ddtree, 768 nodes over a 256-slot cache) the estimate is a lower
+  bound of what XLA allocates for the decode loop (temporaries + its state), and within 2x of it;
+  the caches it counts are exactly those of the loop's state."""
+  import jax
+  from cure_jax.runtime import memory
+  arch = random_models.Arch(vocab=64)
+  target, drafter = random_models.pair(arch, 0)
+  gen = Generator(target, drafter, method="ddtree", max_new_tokens=8, max_len=256,
+                  cure=repair.RepairConfig(v_max=768, max_depth=arch.block_size - 1))
+  _, decode = gen._executables(1, 256, 256)
+  analysis = decode.memory_analysis()
+  if analysis is None:
+    pytest.skip("this backend reports no memory analysis")
+  params = sum(x.nbytes for x in jax.tree.leaves(gen.params))
+  allocated = analysis.temp_size_in_bytes + analysis.argument_size_in_bytes - params
+  run = memory.run_of(target, drafter, batch=1, max_len=256, nodes=768,
+                      platform=jax.devices()[0].platform)
+  assert run.total() <= allocated <= 2 * run.total(), (run.terms(), allocated)
+  caches = jax.eval_shape(lambda: (target.init_cache(3, 256), drafter.init_cache(3, 256)))
+  kv = [x for c in caches for x in c.k + c.v]
+  assert memory.run_of(target, drafter, batch=3, max_len=256, nodes=768,
+                       platform="cpu").caches() == sum(x.size * x.dtype.itemsize for x in kv)
+
+
+def test_largest_fitting_setting(pair):
+  """The setting named is the one that can be lowered to fit: the batch where the caches
+  dominate; where none can, the line says what else to do."""
+  import jax
+  from cure_jax.runtime import memory
+  assert memory.largest_fitting(lambda n: n * n <= 1000, 1, 100) == 31
+  assert memory.largest_fitting(lambda n: n <= 0, 1, 100) is None
+  assert [memory.fmt(n) for n in (12.3e6, 747e9, 5.03e12, 5.72e16)] == [
+      "12.3 MB", "747 GB", "5.03 TB", "57,200 TB"]
+  target, drafter = pair
+  kw = dict(method="chain", max_len=64, nodes=6, devices=jax.devices(), tree=None,
+            cache=("max_new_tokens", 1, 8, lambda n: 64))
+  with pytest.raises(ValueError, match=r"^chain at batch 1000000000 and max_len 64 needs "
+                     r"~[\d.]+ TB .* the largest batch_size that could fit is \d+ "):
+    memory.check(target, drafter, batch=10**9, **kw)
+  memory.check(target, drafter, batch=1, **kw)
+  with pytest.raises(ValueError, match="no smaller tree, batch or cache fits: use a device with "
+                     "more memory, dtype=bfloat16, or split the model"):
+    memory.check(target, drafter, batch=1, **dict(kw, max_len=10**15,
+                                                  cache=("max_len", 10**15, 10**15, int)))
+
+
+def test_a_tree_too_big_for_the_machine_is_one_line_before_compiling(tmp_path):
+  """ddtree at a million nodes (32 TB of attention scores alone): refused with the bytes, the
+  machine's memory and the largest v_max that could fit. Run as a user would, without
+  JAX_PLATFORMS: the devices are named once and JAX's probe for a TPU is not shown."""
+  arch = random_models.Arch(vocab=64)
+  target_dir, drafter_dir = random_models.write_hf(tmp_path, *random_models.pair(arch, 0))
+  (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+  from cure_jax.runtime import errors
+  platforms, devices = None, "devices: 1 × cpu"
+  if not errors.only_cpu_can_start():   # an accelerator here: the child stays on the CPU
+    platforms, devices = "cpu", "devices: 1 × cpu (JAX_PLATFORMS=cpu)"
+  child = _cli(f"--config.target.path={target_dir}", f"--config.drafter.path={drafter_dir}",
+               f"--config.prompts={tmp_path / 'prompts.jsonl'}", "--config.method=ddtree",
+               "--config.cure.v_max=1000000", "--config.max_new_tokens=8",
+               "--config.check_ar=false", "--config.compilation_cache=off",
+               jax_platforms=platforms)
+  line = _one_error_line(child)
+  assert re.fullmatch(
+      r"error: ddtree with cure\.v_max=1000000 at batch 1 and max_len 64 needs ~\d+(\.\d+)? TB "
+      r"for its largest buffers \(attention scores 2 x \[1, 4, 1000000, 1000064\] float32: .*\); "
+      r"this machine has [\d.]+ [GMT]B available \(MemAvailable\); the largest cure\.v_max that "
+      r"could fit is \d+ \(a lower bound from the shapes: cure_jax/runtime/memory\.py\)",
+      line), line
+  # all it says besides the loading bars: no "Unable to initialize backend 'tpu'", nor what
+  # libtpu prints where it is installed (CI) on a machine without a TPU
+  said = [s for s in child.stderr.splitlines() if s.strip() and not s.startswith("loading ")]
+  assert said == [devices, line], child.stderr[-3000:]
+
+
+def test_jax_startup_shows_the_devices_not_the_probes():
+  """The probe records are dropped (absl shows INFO), JAX's warnings are kept; the devices line
+  names the kind and count, and the user's JAX_PLATFORMS."""
+  import logging
+  from cure_jax.runtime import distributed, errors
+  errors.quiet_jax_startup()
+  probe = logging.getLogger("jax._src.xla_bridge")
+  seen = []
+
+  class Keep(logging.Handler):
+    def emit(self, record):
+      seen.append(record.getMessage())
+
+  keep, level = Keep(), logging.root.level
+  logging.root.addHandler(keep)
+  logging.root.setLevel(logging.INFO)
+  try:
+    probe.info("Unable to initialize backend 'tpu': NOT_FOUND: No jellyfish device found.")
+    probe.warning("A Google TPU may be present on this machine, but ...")
+  finally:
+    logging.root.removeHandler(keep)
+    logging.root.setLevel(level)
+  assert seen == ["A Google TPU may be present on this machine, but ..."]
+  platforms = os.environ.get("JAX_PLATFORMS")   # conftest's cpu
+  assert distributed.describe_devices() == "devices: 1 × cpu" + (
+      f" (JAX_PLATFORMS={platforms})" if platforms else "")

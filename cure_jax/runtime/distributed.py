@@ -180,9 +180,11 @@ def job(config, environ=os.environ):
   be stuck in a collective with this process would hang). On success: a `done` mark."""
   mesh = config.get("mesh") or {}
   if not mesh.get("distributed", False):
+    announce_devices()
     yield
     return
   _initialize(mesh, environ)
+  announce_devices()
   from jax._src import distributed as jax_distributed  # the job's coordination client
   watchdog = _Watchdog(jax_distributed.global_state.client, jax.process_count(),
                        jax.process_index(), float(mesh.get("heartbeat_s", 60)))
@@ -250,6 +252,46 @@ def config_fields(config) -> dict:
         out[f"config.{prefix}{k}"] = v
   walk("", config.to_dict() if hasattr(config, "to_dict") else dict(config))
   return out
+
+
+_ANNOUNCED = []
+
+
+def describe_devices(devices=None) -> str:
+  """`devices: 8 × TPU v5 lite`, `devices: 1 × NVIDIA H100 80GB HBM3 (gpu)`, `devices: 1 × cpu`:
+  the devices JAX uses (all processes'), by kind; with the processes when there are several and
+  the JAX_PLATFORMS that chose them when it is set."""
+  devices = jax.devices() if devices is None else devices
+  kinds: dict[tuple[str, str], int] = {}
+  for d in devices:
+    kinds[(d.device_kind, d.platform)] = kinds.get((d.device_kind, d.platform), 0) + 1
+  parts = [f"{n} × {kind}" + ("" if platform.lower() in kind.lower() else f" ({platform})")
+           for (kind, platform), n in kinds.items()]
+  notes = []
+  if jax.process_count() > 1:
+    notes.append(f"{jax.process_count()} processes")
+  if os.environ.get("JAX_PLATFORMS"):
+    notes.append(f"JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}")
+  return "devices: " + " + ".join(parts) + (f" ({', '.join(notes)})" if notes else "")
+
+
+def announce_devices() -> None:
+  """Prints describe_devices() on stderr, once per run and from the writing process only. Entry
+  points call it (through job and pipeline.load_target) once the job is formed: before, asking
+  JAX for its devices would start its backends too early for jax.distributed."""
+  if _ANNOUNCED:
+    return
+  try:
+    devices = jax.devices()
+  except RuntimeError as e:  # JAX fails loudly only for the platforms JAX_PLATFORMS names
+    if not os.environ.get("JAX_PLATFORMS"):
+      raise
+    raise ValueError(f"JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}: "
+                     f"{str(e).splitlines()[0].split(' (set JAX_PLATFORMS')[0]}; unset it to "
+                     "let JAX pick the devices it finds, or name one of them") from None
+  _ANNOUNCED.append(True)
+  if is_writer():
+    print(describe_devices(devices), file=sys.stderr, flush=True)
 
 
 def is_writer() -> bool:

@@ -12,7 +12,7 @@ from flax import nnx
 
 from cure_jax import methods
 from cure_jax.methods.base import Spec
-from cure_jax.runtime import cost_curve, decoding, draft_vocab as draft_vocab_lib, sharding
+from cure_jax.runtime import cost_curve, decoding, draft_vocab as draft_vocab_lib, memory, sharding
 from cure_jax.tree import controller, repair
 from cure_jax.tree.sampling import Sampling
 
@@ -146,6 +146,7 @@ class Generator:
       sharding.check_models(mesh, self.target, self.drafter)
       self.params = sharding.shard_state(self.params, mesh)
     self.compile_s: dict[tuple, float] = {}
+    self._fits: set[tuple[int, int]] = set()   # (batch, max_len) the memory check passed
     # XLA options for this Generator's compiles (e.g. GPU GEMM settings to time against the
     # defaults); part of the executables' key
     self.compiler_options = tuple(sorted((compiler_options or {}).items()))
@@ -188,6 +189,29 @@ class Generator:
                        f"(got {self.max_len}); raise max_len or lower max_new_tokens")
     return self.max_len
 
+  def check_memory(self, batch: int, max_len: int, prompt_len: int) -> None:
+    """Raises ValueError, before anything compiles, when the decode's largest buffers
+    (cure_jax/runtime/memory.py, a lower bound) exceed the device's free memory, with the
+    largest tree size, batch or cache that could fit."""
+    if (batch, max_len) in self._fits:
+      return
+    nodes = self.cure.v_max if self.cure is not None else self.block_size
+    tree = None
+    if self.auto is not None:
+      tree = (f"{self.method} with auto.budgets up to {nodes}", "node budget in auto.budgets",
+              self.block_size)
+    elif self.cure is not None:
+      tree = (f"{self.method} with cure.v_max={nodes}", "cure.v_max", self.cure.max_depth + 1)
+    if self.max_len:
+      cache = ("max_len", prompt_len + self.max_new_tokens - 1, max_len, lambda n: n)
+    else:
+      cache = ("max_new_tokens", 1, self.max_new_tokens,
+               lambda n: _round_up(prompt_bucket(prompt_len) + n - 1, 64))
+    devices = list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
+    memory.check(self.target, self.drafter, method=self.method, batch=batch, max_len=max_len,
+                 nodes=nodes, devices=devices, tree=tree, cache=cache)
+    self._fits.add((batch, max_len))
+
   def _executables(self, batch: int, bucket: int, max_len: int):
     """Compiled prefill and decode, shared by every Generator with the same model structure."""
     spec = self.spec(max_len, batch)
@@ -218,7 +242,9 @@ class Generator:
   def generate(self, prompts: list[list[int]], seed: int | None = None) -> list[Result]:
     """Decodes one batch of prompts (lists of ids); returns one Result per prompt. Sampling is
     reproducible from `seed` (default: the Generator's)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if not prompts:
+      raise ValueError("no prompts to decode: the batch is empty")
+    if any(len(p) == 0 for p in prompts):
       raise ValueError("every prompt needs at least one token")
     count = len(prompts)
     if self.mesh is not None:  # pad with copies of the last prompt to a multiple of mesh.data
@@ -227,6 +253,7 @@ class Generator:
     max_len = self.cache_len(longest)
     # with a fixed max_len every prompt pads to it: one compiled prefill for all lengths
     bucket = max_len if self.max_len else prompt_bucket(longest)
+    self.check_memory(len(prompts), max_len, longest)
     pre, dec = self._executables(len(prompts), bucket, max_len)
     padded = np.zeros((len(prompts), bucket), np.int32)
     for i, p in enumerate(prompts):

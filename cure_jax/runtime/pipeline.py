@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cure_jax import methods
-from cure_jax.runtime import hub
+from cure_jax.runtime import distributed, hub
 from cure_jax.runtime import draft_vocab as draft_vocab_lib, files
 from cure_jax.runtime.generation import Generator, Result
 from cure_jax.tree import controller, repair
@@ -79,6 +79,32 @@ def enable_compilation_cache(config) -> str | None:
   return where
 
 
+def check_config(config) -> None:
+  """The run-level integer settings, checked before any model is loaded: a batch_size of 0
+  would otherwise reach the decoder as an empty batch, a negative num_prompts as an empty
+  prompt list."""
+  problems = []
+  for name, lowest, meaning in (
+      ("batch_size", 1, "prompts decoded together"),
+      ("max_new_tokens", 1, "tokens to generate per prompt"),
+      ("max_len", 0, "the static cache length; 0 = each prompt's length + max_new_tokens"),
+      ("num_prompts", 0, "the first N prompts; 0 = all"),
+      ("drafter.block_size", 0, "0 = the drafter's own; for ar_draft gamma + 1"),
+      ("drafter.gamma", 1, "ar_draft: drafted tokens per iteration")):
+    value = config
+    for part in name.split("."):
+      value = value.get(part) if hasattr(value, "get") else None
+    if value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, int):
+      problems.append(f"{name}={value!r} must be an integer ({meaning})")
+    elif value < lowest:
+      what = "a positive integer" if lowest == 1 else f">= {lowest}"
+      problems.append(f"{name}={value} must be {what} ({meaning})")
+  if problems:
+    raise ValueError("; ".join(problems))
+
+
 def mesh_of(config):
   """The device mesh of config.mesh, or None for 1 x 1 (one device, nothing sharded)."""
   from cure_jax.runtime import sharding
@@ -109,6 +135,7 @@ def _qwen3(config, path: str):
 def load_target(config):
   if not config.target.path:
     raise ValueError("set --config.target.path to a Qwen3/Llama HF directory or converted checkpoint")
+  distributed.announce_devices()   # once per run: the devices the model goes to
   return _qwen3(config, config.target.path)
 
 
@@ -238,6 +265,9 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
 
 def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,
                progress=None) -> list[Result]:
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size} must be a positive integer (prompts decoded "
+                     "together)")
   results = []
   for i in range(0, len(ids), batch_size):  # batch i samples with seed + i: reproducible
     results.extend(generator.generate(ids[i:i + batch_size], seed=generator.seed + i))

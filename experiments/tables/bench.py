@@ -100,6 +100,7 @@ def from_config(config, **fields) -> Bench:
   """A Bench on the config's pair (paths resolved, models loaded; the block drafter whatever
   config.method says) and prompts (config.prompts, else HumanEval's; the first
   config.num_prompts); `fields`: the Bench's other fields."""
+  pipeline.check_config(config)
   pipeline.resolve_paths(config)
   target = pipeline.load_target(config)
   with config.unlocked():
