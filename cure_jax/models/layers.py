@@ -7,6 +7,7 @@ parameter dtype, the way the Hugging Face reference does it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -197,6 +198,27 @@ def embed_lookup(table, tokens):
                        check_vma=False)(table, tokens)
 
 
+def einsum_f32(spec: str, a, b):
+  """jnp.einsum(spec, a, b) summed in and returned as float32: every float32-result product of
+  the models (attention scores and value sums, logits) goes through here.
+
+  GPU and TPU take bfloat16 operands as they are (their native dot). XLA:CPU runs most bfloat16 x
+  bfloat16 -> float32 dots in its YNNPACK fusions, but one it leaves to its generic dot thunk
+  fails at run time ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"; at
+  batch > 1 the decode loop's probabilities x cached values, which contracts the cache's slot
+  axis). Which dots those are depends on the shapes and layouts XLA picks, so on CPU every such
+  product upcasts its operands first: exact (every bfloat16 is a float32), the same products
+  summed in float32, as XLA:CPU already does for its bfloat16-result dots. Float32 operands take
+  the plain einsum on every platform, decided here from the static dtypes: their programs are
+  unchanged.
+  """
+  dot = functools.partial(jnp.einsum, spec, preferred_element_type=jnp.float32)
+  if jnp.result_type(a, b) == jnp.float32:
+    return dot(a, b)
+  return jax.lax.platform_dependent(
+      a, b, cpu=lambda a, b: dot(a.astype(jnp.float32), b.astype(jnp.float32)), default=dot)
+
+
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = True):
   """Grouped-query attention over [old slots ; new tokens] without concatenating the caches.
 
@@ -237,9 +259,8 @@ def xla_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
   kvh = k_old.shape[1]
   qg = q.reshape(b, a, t, kvh, h // kvh, d)
   scale = 1.0 / math.sqrt(d)
-  s_old = jnp.einsum("batkgd,bksd->bakgts", qg, k_old, preferred_element_type=jnp.float32)
-  s_new = jnp.einsum("batkgd,baukd->bakgtu", qg, k_new,
-                     preferred_element_type=jnp.float32)
+  s_old = einsum_f32("batkgd,bksd->bakgts", qg, k_old)
+  s_new = einsum_f32("batkgd,baukd->bakgtu", qg, k_new)
   neg = jnp.finfo(jnp.float32).min
   s_old = jnp.where(mask_old[:, :, None, None], s_old * scale, neg)
   s_new = jnp.where(mask_new[:, :, None, None], s_new * scale, neg)
@@ -247,10 +268,8 @@ def xla_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
   top = jnp.maximum(s_old.max(-1, initial=neg), s_new.max(-1, initial=neg))[..., None]
   e_old, e_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
   total = e_old.sum(-1) + e_new.sum(-1)                                  # [B, A, KVH, G, T]
-  out = (jnp.einsum("bakgts,bksd->batkgd", e_old.astype(v_old.dtype), v_old,
-                    preferred_element_type=jnp.float32) +
-         jnp.einsum("bakgtu,baukd->batkgd", e_new.astype(v_new.dtype), v_new,
-                    preferred_element_type=jnp.float32))
+  out = (einsum_f32("bakgts,bksd->batkgd", e_old.astype(v_old.dtype), v_old) +
+         einsum_f32("bakgtu,baukd->batkgd", e_new.astype(v_new.dtype), v_new))
   out = out / total.transpose(0, 1, 4, 2, 3)[..., None]                  # [B, A, T, KVH, G, D]
   return out.reshape(b, a, t, h, d).astype(q.dtype)
 

@@ -18,8 +18,8 @@ from flax import nnx
 
 from cure_jax.models.cache import KVCache
 from cure_jax.models.kernels import prefix as prefix_attention
-from cure_jax.models.layers import (RMSNorm, Rope, SwiGLU, attend, embed_lookup, linear,
-                                    rope_from_hf)
+from cure_jax.models.layers import (RMSNorm, Rope, SwiGLU, attend, einsum_f32, embed_lookup,
+                                    linear, rope_from_hf)
 from cure_jax.models.moe import MoEConfig, SparseMoE
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
@@ -155,7 +155,7 @@ class Qwen3(nnx.Module):
   def logits(self, hidden):
     """Float32 logits [..., V] from final hidden states [..., H]."""
     w = self.embed_tokens.embedding[...] if self.cfg.tie_embeddings else self.lm_head.kernel[...].T
-    return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
+    return einsum_f32("...h,vh->...v", hidden, w)
 
   def head_rows(self, ids):
     """The head's weights of the vocabulary entries ids [N] only: [N, H] tied, else [H, N]."""
@@ -168,7 +168,7 @@ class Qwen3(nnx.Module):
     V rows (a drafter that scores a reduced vocabulary); rows: head_rows(ids), gathered before."""
     w = self.head_rows(ids) if rows is None else rows
     spec = "...h,nh->...n" if self.cfg.tie_embeddings else "...h,hn->...n"
-    return jnp.einsum(spec, hidden, w, preferred_element_type=jnp.float32)
+    return einsum_f32(spec, hidden, w)
 
   def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = ()):
     """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens], or a

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from cure_jax.models.dflash import DFlash
-from cure_jax.models.layers import attend
+from cure_jax.models.layers import attend, einsum_f32
 
 
 def train_forward(drafter: DFlash, embed, features, blocks, anchors):
@@ -55,7 +55,7 @@ def train_forward(drafter: DFlash, embed, features, blocks, anchors):
 def block_logits(drafter: DFlash, hidden, head):
   """Float32 draft logits [..., V'] of hidden states [..., H] through head rows [V', H]."""
   return drafter.scale_logits(
-      jnp.einsum("...h,vh->...v", hidden, head, preferred_element_type=jnp.float32))
+      einsum_f32("...h,vh->...v", hidden, head))
 
 
 @dataclasses.dataclass(frozen=True)

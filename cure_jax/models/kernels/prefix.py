@@ -29,6 +29,7 @@ from flax import struct
 
 from cure_jax.models import cache as cache_lib
 from cure_jax.models.kernels import gpu_prefix, tpu_attention
+from cure_jax.models.layers import einsum_f32
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 # Chunks the TPU kernel takes: at 2048 rows Qwen3-8B's call asked 24.3 MB of v5e's 16 MB of
@@ -93,14 +94,13 @@ def xla_attend(q, k_cache, v_cache, k_new, v_new, lengths, count):
 
   def update(carry, k, v, visible):           # k, v [B, KVH, N, D]; visible [B, T or 1, N]
     acc, top, total = carry                   # [B, KVH, G, T, D], [B, KVH, G, T] x 2
-    sc = jnp.einsum("btkgd,bknd->bkgtn", qg, k, preferred_element_type=jnp.float32) * scale
+    sc = einsum_f32("btkgd,bknd->bkgtn", qg, k) * scale
     visible = visible[:, None, None]
     sc = jnp.where(visible, sc, _NEG)
     new_top = jnp.maximum(top, sc.max(-1))
     p = jnp.where(visible, jnp.exp(sc - new_top[..., None]), 0.0)
     alpha = jnp.exp(top - new_top)
-    acc = alpha[..., None] * acc + jnp.einsum("bkgtn,bknd->bkgtd", p.astype(v.dtype), v,
-                                              preferred_element_type=jnp.float32)
+    acc = alpha[..., None] * acc + einsum_f32("bkgtn,bknd->bkgtd", p.astype(v.dtype), v)
     return acc, new_top, alpha * total + p.sum(-1)
 
   def cache_block(j, carry):
