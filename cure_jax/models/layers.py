@@ -296,7 +296,7 @@ def blocked_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
     m_new = jnp.maximum(m, scores.max(-1))                                 # [B, A, KVH, G, T]
     p = jnp.where(visible[:, :, None, None], jnp.exp(scores - m_new[..., None]), 0.0)
     alpha = jnp.exp(m - m_new)
-    pv = jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = einsum_f32(spec, p.astype(v.dtype), v)
     return m_new, l * alpha + p.sum(-1), acc * _rows_last(alpha) + pv
 
   def block(j, carry):
@@ -305,14 +305,14 @@ def blocked_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
     visible = jax.lax.dynamic_slice_in_dim(mask_old, start, c, axis=3) & (slots >= j * c)
     k = jax.lax.dynamic_slice_in_dim(k_old, start, c, axis=2)                # [B, KVH, C, D]
     v = jax.lax.dynamic_slice_in_dim(v_old, start, c, axis=2)
-    scores = jnp.einsum("batkgd,bkcd->bakgtc", qg, k, preferred_element_type=jnp.float32)
+    scores = einsum_f32("batkgd,bkcd->bakgtc", qg, k)
     return update(carry, scores, visible, v, "bakgtc,bkcd->batkgd")
 
   seen = jnp.max(jnp.where(mask_old.any(axis=(1, 2)), jnp.arange(s) + 1, 0))  # last slot + 1
   stats = jnp.full((b, a, kvh, h // kvh, t), neg, jnp.float32)
   carry = (stats, jnp.zeros_like(stats), jnp.zeros(qg.shape, jnp.float32))
   carry = jax.lax.fori_loop(0, (seen + c - 1) // c, block, carry)
-  scores = jnp.einsum("batkgd,baukd->bakgtu", qg, k_new, preferred_element_type=jnp.float32)
+  scores = einsum_f32("batkgd,baukd->bakgtu", qg, k_new)
   _, l, acc = update(carry, scores, mask_new, v_new, "bakgtu,baukd->batkgd")
   out = acc / _rows_last(jnp.where(l > 0, l, 1.0))    # a row that sees nothing gives zeros
   return out.reshape(b, a, t, h, d).astype(q.dtype)
