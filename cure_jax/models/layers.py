@@ -308,10 +308,13 @@ def blocked_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
     scores = einsum_f32("batkgd,bkcd->bakgtc", qg, k)
     return update(carry, scores, visible, v, "bakgtc,bkcd->batkgd")
 
-  seen = jnp.max(jnp.where(mask_old.any(axis=(1, 2)), jnp.arange(s) + 1, 0))  # last slot + 1
   stats = jnp.full((b, a, kvh, h // kvh, t), neg, jnp.float32)
   carry = (stats, jnp.zeros_like(stats), jnp.zeros(qg.shape, jnp.float32))
-  carry = jax.lax.fori_loop(0, (seen + c - 1) // c, block, carry)
+  if s > c:
+    seen = jnp.max(jnp.where(mask_old.any(axis=(1, 2)), jnp.arange(s) + 1, 0))  # last slot + 1
+    carry = jax.lax.fori_loop(0, (seen + c - 1) // c, block, carry)
+  else:         # one block: no loop (with no slot visible it adds exact zeros, as a skip would)
+    carry = block(0, carry)
   scores = einsum_f32("batkgd,baukd->bakgtu", qg, k_new)
   _, l, acc = update(carry, scores, mask_new, v_new, "bakgtu,baukd->batkgd")
   out = acc / _rows_last(jnp.where(l > 0, l, 1.0))    # a row that sees nothing gives zeros
