@@ -228,16 +228,17 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = 
   Returns [B, A, T, H, D].
 
   On TPU this is tpu_attention's Pallas kernel and on NVIDIA GPUs gpu_attention's (Triton), which
-  keep the scores on chip; on CPU it is blocked_attend, whose work follows the slots in use, not
-  the cache's size. Elsewhere it is xla_attend, and so it is with kernel=False (the kernels and
-  blocked_attend's loop of dynamic length have no gradient: training passes False) and for caches
-  a kernel does not tile (an empty one, as in prefill, or one not in whole blocks of slots).
+  keep the scores on chip; on CPU, for a cache of more than one CACHE_BLOCK, it is
+  blocked_attend, whose work follows the slots in use, not the cache's size. Elsewhere it is
+  xla_attend, and so it is with kernel=False (the kernels and blocked_attend's loop of dynamic
+  length have no gradient: training passes False) and for caches a kernel does not tile (an
+  empty one, as in prefill, or one not in whole blocks of slots).
   """
   args = (q, k_old, v_old, k_new, v_new, mask_old, mask_new)
   if not kernel:
     return xla_attend(*args)
   s, groups, head_dim = k_old.shape[2], q.shape[3] // k_old.shape[1], q.shape[4]
-  platforms = {"cpu": blocked_attend} if s else {}
+  platforms = {"cpu": blocked_attend} if s > CACHE_BLOCK else {}
   if tpu_attention.tiles(s):
     platforms["tpu"] = tpu_attention.attend
   if gpu_attention.tiles(s, groups, head_dim):
@@ -274,7 +275,8 @@ def xla_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
   return out.reshape(b, a, t, h, d).astype(q.dtype)
 
 
-CACHE_BLOCK = 512   # cache slots per step of blocked_attend's loop
+CACHE_BLOCK = 512   # cache slots per step of blocked_attend's loop (and the most xla_attend
+                    # takes whole on CPU)
 
 
 def blocked_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
@@ -310,11 +312,8 @@ def blocked_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
 
   stats = jnp.full((b, a, kvh, h // kvh, t), neg, jnp.float32)
   carry = (stats, jnp.zeros_like(stats), jnp.zeros(qg.shape, jnp.float32))
-  if s > c:
-    seen = jnp.max(jnp.where(mask_old.any(axis=(1, 2)), jnp.arange(s) + 1, 0))  # last slot + 1
-    carry = jax.lax.fori_loop(0, (seen + c - 1) // c, block, carry)
-  else:         # one block: no loop (with no slot visible it adds exact zeros, as a skip would)
-    carry = block(0, carry)
+  seen = jnp.max(jnp.where(mask_old.any(axis=(1, 2)), jnp.arange(s) + 1, 0))  # last slot + 1
+  carry = jax.lax.fori_loop(0, (seen + c - 1) // c, block, carry)
   scores = einsum_f32("batkgd,baukd->bakgtu", qg, k_new)
   _, l, acc = update(carry, scores, mask_new, v_new, "bakgtu,baukd->batkgd")
   out = acc / _rows_last(jnp.where(l > 0, l, 1.0))    # a row that sees nothing gives zeros
