@@ -92,31 +92,30 @@ def test_gpu_cache_ranges_fill_the_grid_but_stay_long(b, kvh, row_blocks, slots,
   assert gpu_attention.num_splits(b, kvh, row_blocks, slots) == splits
 
 
-def test_gpu_kernel_reads_no_block_past_the_last_visible_slot():
-  """Cache slots past every row's mask are not read: poison them (NaN) and the result holds."""
-  args = list(_inputs((2, 1, 4, 4, 2, 64, 1024, 4), seed=3))
-  args[5] = np.broadcast_to(np.arange(1024) < np.array([130, 700])[:, None, None, None],
-                            args[5].shape)
-  want = gpu_attention.attend(*map(jnp.asarray, args), interpret=True)
-  for i, n in enumerate((192, 704)):             # past the 64-slot block holding the last one
-    args[1][i, :, n:] = np.nan
-    args[2][i, :, n:] = np.nan
-  got = gpu_attention.attend(*map(jnp.asarray, args), interpret=True)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  assert np.isfinite(np.asarray(got)).all()
+# kernel -> (cache slots, per row the first slot past the block that holds its last visible one)
+POISON_FROM = {"gpu": (1024, (192, 704)),    # 64-slot blocks, per row
+               "tpu": (2048, (512, 1024)),   # 512-slot blocks, per row
+               "cpu": (1024, (768, 768))}    # 128-slot blocks up to the last any row sees
 
 
-def test_tpu_kernel_reads_no_block_past_the_last_visible_slot():
-  """Each batch row's grid steps past its last visible 512-slot block repeat that block's index
-  (no fetch) and skip its update: poison the slots past it (NaN) and the result holds."""
-  args = list(_inputs((2, 1, 4, 4, 2, 64, 2048, 4), seed=3))
-  args[5] = np.broadcast_to(np.arange(2048) < np.array([130, 700])[:, None, None, None],
+@pytest.mark.parametrize("kernel", POISON_FROM)
+def test_no_block_past_the_last_visible_slot_is_read(kernel, monkeypatch):
+  """Cache slots past the block holding a row's last visible slot (for the CPU loop: any row's)
+  are not read: poison them (NaN) and the result holds, bitwise. So a step's work follows the
+  context held, not the cache's size."""
+  monkeypatch.setattr(layers, "CACHE_BLOCK", 128)
+  attend = {"gpu": lambda *a: gpu_attention.attend(*a, interpret=True),
+            "tpu": lambda *a: tpu_attention.attend(*a, interpret=True),
+            "cpu": jax.jit(layers.blocked_attend)}[kernel]
+  slots, poison = POISON_FROM[kernel]
+  args = list(_inputs((2, 1, 4, 4, 2, 64, slots, 4), seed=3))
+  args[5] = np.broadcast_to(np.arange(slots) < np.array([130, 700])[:, None, None, None],
                             args[5].shape)
-  want = tpu_attention.attend(*map(jnp.asarray, args), interpret=True)
-  for i, n in enumerate((512, 1024)):            # past the 512-slot block holding the last one
+  want = attend(*map(jnp.asarray, args))
+  for i, n in enumerate(poison):
     args[1][i, :, n:] = np.nan
     args[2][i, :, n:] = np.nan
-  got = tpu_attention.attend(*map(jnp.asarray, args), interpret=True)
+  got = attend(*map(jnp.asarray, args))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert np.isfinite(np.asarray(got)).all()
 
@@ -131,22 +130,6 @@ def test_cpu_blocked_attention_equals_softmax_attention(shape, monkeypatch):
                      np.broadcast_to(x, args[0].shape[:3] + x.shape[-1:]) for x in args))
   got = jax.jit(layers.blocked_attend)(*map(jnp.asarray, args))
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
-
-
-def test_cpu_blocked_attention_reads_no_block_past_the_last_visible_slot(monkeypatch):
-  """Its loop stops after the block holding the last slot any row sees: poison the slots past
-  it (NaN) and the result holds, bitwise. So a step's work follows the context held."""
-  monkeypatch.setattr(layers, "CACHE_BLOCK", 128)
-  args = list(_inputs((2, 1, 4, 4, 2, 16, 1024, 4), seed=4))
-  args[5] = np.broadcast_to(np.arange(1024) < np.array([130, 300])[:, None, None, None],
-                            args[5].shape)
-  attend = jax.jit(layers.blocked_attend)
-  want = attend(*map(jnp.asarray, args))
-  args[1][:, :, 384:] = np.nan                     # past the block holding slot 299
-  args[2][:, :, 384:] = np.nan
-  got = attend(*map(jnp.asarray, args))
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  assert np.isfinite(np.asarray(got)).all()
 
 
 def test_cpu_blocked_attention_of_a_row_does_not_depend_on_the_others(monkeypatch):

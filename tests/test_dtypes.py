@@ -96,31 +96,29 @@ def logits(dirs, dtype: str, sequences) -> np.ndarray:
   return np.asarray(_logits(*nnx.split(model), jnp.asarray(tokens)), np.float32)
 
 
-def _check_shapes(outputs, prompts):
-  for method, out in outputs.items():
-    assert len(out) == len(prompts), method
-    for ids in out:
+def _every_method(dirs, dtype, batch):
+  """Each method's outputs on PROMPTS (checked for shape and range), and that drafts were
+  accepted by every drafting method."""
+  outputs, accepted = {}, {}
+  for method in methods.names():
+    outputs[method], accepted[method] = decode(dirs, dtype, method, batch)
+    assert len(outputs[method]) == len(PROMPTS), method
+    for ids in outputs[method]:
       assert len(ids) == MAX_NEW and all(0 <= t < ARCH.vocab for t in ids), (method, ids)
+  assert min(n for m, n in accepted.items() if m != "ar") > 0, accepted
+  return outputs
 
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_float32_every_method_equals_target_only(dirs, batch):
-  outputs, accepted = {}, {}
-  for method in methods.names():
-    outputs[method], accepted[method] = decode(dirs, "float32", method, batch)
-  _check_shapes(outputs, PROMPTS)
+  outputs = _every_method(dirs, "float32", batch)
   for method in methods.names():
     assert outputs[method] == outputs["ar"], method
-  assert min(n for m, n in accepted.items() if m != "ar") > 0, accepted   # drafts were accepted
 
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_bfloat16_every_method_emits_near_argmax_tokens(dirs, batch):
-  outputs, accepted = {}, {}
-  for method in methods.names():
-    outputs[method], accepted[method] = decode(dirs, "bfloat16", method, batch)
-  _check_shapes(outputs, PROMPTS)
-  assert min(n for m, n in accepted.items() if m != "ar") > 0, accepted
+  outputs = _every_method(dirs, "bfloat16", batch)
   runs = [(m, p, ids) for m, out in outputs.items() for p, ids in zip(PROMPTS, out)]
   sequences = [p + ids for _, p, ids in runs]
   exact, rounded = logits(dirs, "float32", sequences), logits(dirs, "bfloat16", sequences)
