@@ -15,7 +15,7 @@ from cure_jax.analysis import random_models
 from cure_jax.tree import repair
 from cure_jax.runtime.generation import Generator
 from cure_jax.models import dflash, layers, qwen3
-from cure_jax.models.kernels import gpu_attention, tpu_attention
+from cure_jax.models.kernels import cpu_attention, gpu_attention, tpu_attention
 from tests.fake_devices import run_in_child
 
 # (batch, blocks A, rows T, heads, KV heads, head dim, cache slots S, new tokens U)
@@ -103,10 +103,10 @@ def test_no_block_past_the_last_visible_slot_is_read(kernel, monkeypatch):
   """Cache slots past the block holding a row's last visible slot (for the CPU loop: any row's)
   are not read: poison them (NaN) and the result holds, bitwise. So a step's work follows the
   context held, not the cache's size."""
-  monkeypatch.setattr(layers, "CACHE_BLOCK", 128)
+  monkeypatch.setattr(cpu_attention, "BLOCK", 128)
   attend = {"gpu": lambda *a: gpu_attention.attend(*a, interpret=True),
             "tpu": lambda *a: tpu_attention.attend(*a, interpret=True),
-            "cpu": jax.jit(layers.blocked_attend)}[kernel]
+            "cpu": jax.jit(cpu_attention.blocked)}[kernel]
   slots, poison = POISON_FROM[kernel]
   args = list(_inputs((2, 1, 4, 4, 2, 64, slots, 4), seed=3))
   args[5] = np.broadcast_to(np.arange(slots) < np.array([130, 700])[:, None, None, None],
@@ -120,26 +120,50 @@ def test_no_block_past_the_last_visible_slot_is_read(kernel, monkeypatch):
   assert np.isfinite(np.asarray(got)).all()
 
 
+@pytest.mark.parametrize("form", ["blocked", "attend"])
 @pytest.mark.parametrize("shape", SHAPES + [(2, 1, 4, 4, 2, 16, 1300, 4)])
-def test_cpu_blocked_attention_equals_softmax_attention(shape, monkeypatch):
-  """The CPU form reads the cache in blocks (here 128 slots, so several; 1300 slots end in a
-  block that overlaps the one before it) with an online softmax."""
-  monkeypatch.setattr(layers, "CACHE_BLOCK", 128)
+def test_cpu_attention_equals_softmax_attention(shape, form, monkeypatch):
+  """The CPU forms: the blocked loop (here 128-slot blocks, so several; 1300 slots end in a
+  block that overlaps the one before it) and attend, which picks it or one pass over the whole
+  cache, both an online softmax."""
+  monkeypatch.setattr(cpu_attention, "BLOCK", 128)
   args = _inputs(shape, seed=sum(shape), shared_mask=shape[1] > 1)
   want = reference(*(np.asarray(x, np.float64) if x.dtype != bool else
                      np.broadcast_to(x, args[0].shape[:3] + x.shape[-1:]) for x in args))
-  got = jax.jit(layers.blocked_attend)(*map(jnp.asarray, args))
+  got = jax.jit(getattr(cpu_attention, form))(*map(jnp.asarray, args))
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("longest,whole", [(300, False), (400, True)])
+def test_cpu_attention_reads_the_blocks_in_use_while_the_context_is_short(longest, whole,
+                                                                          monkeypatch):
+  """attend on CPU takes the blocked loop while the longest row sees at most a third of the
+  cache and one pass over the whole cache above it. Slots 512 on (past every row's last visible
+  one) are poisoned with NaN: the loop leaves them unread (the result holds, bitwise); the whole
+  pass reads them (0 x NaN in the value product shows)."""
+  monkeypatch.setattr(cpu_attention, "BLOCK", 128)
+  args = list(_inputs((2, 1, 4, 4, 2, 64, 1024, 4), seed=4))
+  args[5] = np.broadcast_to(np.arange(1024) < np.array([130, longest])[:, None, None, None],
+                            args[5].shape)
+  attend = jax.jit(cpu_attention.attend)
+  want = np.asarray(attend(*map(jnp.asarray, args)))
+  args[1][:, :, 512:] = np.nan
+  args[2][:, :, 512:] = np.nan
+  got = np.asarray(attend(*map(jnp.asarray, args)))
+  if whole:
+    assert np.isnan(got[1]).all()
+  else:
+    np.testing.assert_array_equal(got, want)
 
 
 def test_cpu_blocked_attention_of_a_row_does_not_depend_on_the_others(monkeypatch):
   """A row's output is bitwise the same alone and beside a row that sees 7 more blocks: the
   extra blocks add exact zeros to its sums and leave its running maximum as it was."""
-  monkeypatch.setattr(layers, "CACHE_BLOCK", 128)
+  monkeypatch.setattr(cpu_attention, "BLOCK", 128)
   args = list(_inputs((2, 1, 1, 4, 2, 16, 1024, 1), seed=6))
   args[5] = np.broadcast_to(np.arange(1024) < np.array([100, 1000])[:, None, None, None],
                             args[5].shape)
-  attend = jax.jit(layers.blocked_attend)
+  attend = jax.jit(cpu_attention.blocked)
   both = attend(*map(jnp.asarray, args))
   alone = attend(*(jnp.asarray(np.stack([x[0], x[0]])) for x in args))
   np.testing.assert_array_equal(np.asarray(both)[0], np.asarray(alone)[0])

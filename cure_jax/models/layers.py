@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from cure_jax.models.axes import DATA, MODEL
-from cure_jax.models.kernels import gpu_attention, tpu_attention
+from cure_jax.models.kernels import cpu_attention, gpu_attention, tpu_attention
 
 
 class RMSNorm(nnx.Module):
@@ -228,23 +228,21 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = 
   Returns [B, A, T, H, D].
 
   On TPU this is tpu_attention's Pallas kernel and on NVIDIA GPUs gpu_attention's (Triton), which
-  keep the scores on chip; on CPU, for a cache of more than one CACHE_BLOCK, it is
-  blocked_attend, whose work follows the slots in use, not the cache's size. Elsewhere it is
-  xla_attend, and so it is with kernel=False (the kernels and blocked_attend's loop of dynamic
-  length have no gradient: training passes False) and for caches a kernel does not tile (an
-  empty one, as in prefill, or one not in whole blocks of slots).
+  keep the scores on chip; on CPU it is cpu_attention's, which reads the cache in its own layout
+  and, for a short context in a long cache, only the blocks in use. Elsewhere it is xla_attend,
+  and so it is with kernel=False (the kernels and the CPU form's loop of dynamic length have no
+  gradient: training passes False) and for caches a kernel does not tile (an empty one, as in
+  prefill, or one not in whole blocks of slots).
   """
   args = (q, k_old, v_old, k_new, v_new, mask_old, mask_new)
   if not kernel:
     return xla_attend(*args)
   s, groups, head_dim = k_old.shape[2], q.shape[3] // k_old.shape[1], q.shape[4]
-  platforms = {"cpu": blocked_attend} if s > CACHE_BLOCK else {}
+  platforms = {"cpu": cpu_attention.attend}
   if tpu_attention.tiles(s):
     platforms["tpu"] = tpu_attention.attend
   if gpu_attention.tiles(s, groups, head_dim):
     platforms["cuda"] = gpu_attention.attend
-  if not platforms:
-    return xla_attend(*args)
   return jax.lax.platform_dependent(*args, **platforms, default=xla_attend)
 
 
@@ -273,53 +271,3 @@ def xla_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
          einsum_f32("bakgtu,baukd->batkgd", e_new.astype(v_new.dtype), v_new))
   out = out / total.transpose(0, 1, 4, 2, 3)[..., None]                  # [B, A, T, KVH, G, D]
   return out.reshape(b, a, t, h, d).astype(q.dtype)
-
-
-CACHE_BLOCK = 512   # cache slots per step of blocked_attend's loop (and the most xla_attend
-                    # takes whole on CPU)
-
-
-def blocked_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
-  """attend with the cache read in blocks of CACHE_BLOCK slots, up to the last slot any row can
-  see: a loop count, not a shape, so a step's work follows the context held rather than the
-  cache's size. Online softmax (as flash attention): a running maximum m, sum l and value
-  accumulator acc over the blocks, then the new tokens. A block past a row's last visible slot
-  adds exactly nothing to that row, so the result does not depend on the other rows."""
-  b, a, t, h, d = q.shape
-  kvh, s = k_old.shape[1], k_old.shape[2]
-  c = min(CACHE_BLOCK, s)
-  qg = q.reshape(b, a, t, kvh, h // kvh, d)
-  scale = 1.0 / math.sqrt(d)
-  neg = jnp.finfo(jnp.float32).min
-
-  def update(carry, scores, visible, v, spec):   # scores [B, A, KVH, G, T, N]
-    m, l, acc = carry
-    scores = jnp.where(visible[:, :, None, None], scores * scale, neg)
-    m_new = jnp.maximum(m, scores.max(-1))                                 # [B, A, KVH, G, T]
-    p = jnp.where(visible[:, :, None, None], jnp.exp(scores - m_new[..., None]), 0.0)
-    alpha = jnp.exp(m - m_new)
-    pv = einsum_f32(spec, p.astype(v.dtype), v)
-    return m_new, l * alpha + p.sum(-1), acc * _rows_last(alpha) + pv
-
-  def block(j, carry):
-    start = jnp.minimum(j * c, s - c)        # the last block may overlap the one before it:
-    slots = start + jnp.arange(c)            # its slots already counted are masked off
-    visible = jax.lax.dynamic_slice_in_dim(mask_old, start, c, axis=3) & (slots >= j * c)
-    k = jax.lax.dynamic_slice_in_dim(k_old, start, c, axis=2)                # [B, KVH, C, D]
-    v = jax.lax.dynamic_slice_in_dim(v_old, start, c, axis=2)
-    scores = einsum_f32("batkgd,bkcd->bakgtc", qg, k)
-    return update(carry, scores, visible, v, "bakgtc,bkcd->batkgd")
-
-  stats = jnp.full((b, a, kvh, h // kvh, t), neg, jnp.float32)
-  carry = (stats, jnp.zeros_like(stats), jnp.zeros(qg.shape, jnp.float32))
-  seen = jnp.max(jnp.where(mask_old.any(axis=(1, 2)), jnp.arange(s) + 1, 0))  # last slot + 1
-  carry = jax.lax.fori_loop(0, (seen + c - 1) // c, block, carry)
-  scores = einsum_f32("batkgd,baukd->bakgtu", qg, k_new)
-  _, l, acc = update(carry, scores, mask_new, v_new, "bakgtu,baukd->batkgd")
-  out = acc / _rows_last(jnp.where(l > 0, l, 1.0))    # a row that sees nothing gives zeros
-  return out.reshape(b, a, t, h, d).astype(q.dtype)
-
-
-def _rows_last(x):
-  """[B, A, KVH, G, T] -> [B, A, T, KVH, G, 1], to scale [B, A, T, KVH, G, D] row by row."""
-  return x.transpose(0, 1, 4, 2, 3)[..., None]

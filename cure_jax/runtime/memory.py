@@ -11,11 +11,10 @@ iteration's verification pass over the whole tree), from the shapes alone:
   tree K/V     2 * L * B * V * KVH * D * itemsize: every layer's keys and values of the V tree
                nodes, held until the winning path (known after the last layer) is gathered
   then the larger of
-    scores     c * 4 * B * H * V * (S' + V): a layer's float32 attention scores over
-               [cache ; tree] where attention is XLA tensors (S' = S, or on CPU the cache block
-               of layers.blocked_attend) (c = 2 on CPU, the scores and their
-               exponentials; 1 on GPU/TPU when the cache does not tile for the Pallas/Triton
-               kernels; 0 where the kernels keep them on chip)
+    scores     c * 4 * B * H * V * (S + V): a layer's float32 attention scores over
+               [cache ; tree] where attention is XLA tensors (c = 2 on CPU, the
+               scores and their exponentials; 1 on GPU/TPU when the cache does not tile for the
+               Pallas/Triton kernels; 0 where the kernels keep them on chip)
     logits     4 * B * V * vocab: the target's float32 logits at every node
 
 S = the cache length (max_len), V = the tree's nodes (cure.v_max for cure, ddtree, hybrid and
@@ -52,13 +51,10 @@ class Run:
   itemsize: int           # bytes of the cache dtype
   drafter: tuple[int, int, int, int] = (0, 0, 0, 0)  # its (layers, KV heads, head_dim, itemsize)
   score_copies: int = 2   # c above: 2 on CPU, 1 XLA attention on GPU/TPU, 0 with a kernel
-  score_slots: int = 0    # cache slots a layer's scores span at once (0: all of max_len; CPU
-                          # attention reads the cache in blocks of layers.CACHE_BLOCK)
 
   def terms(self) -> dict[str, int]:
     """Bytes of each counted buffer (see the module docstring), by a name with its shape."""
     b, s, v = self.batch, self.max_len, self.nodes
-    span = min(self.score_slots or s, s)
     kv = 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
     dl, dkvh, dd, di = self.drafter
     return {
@@ -67,8 +63,8 @@ class Run:
         f"drafter K/V 2 x [{dl}, {b}, {dkvh}, {s}, {dd}]": 2 * dl * dkvh * dd * di * b * s,
         f"tree masks [{b}, {v}, {v}] + [{b}, {v}, {s + v}] bool": b * v * v + b * v * (s + v),
         f"tree K/V 2 x [{self.layers}, {b}, {v}, {self.kv_heads}, {self.head_dim}]": kv * b * v,
-        (f"attention scores {self.score_copies} x [{b}, {self.heads}, {v}, {span + v}] float32"):
-            self.score_copies * 4 * b * self.heads * v * (span + v),
+        (f"attention scores {self.score_copies} x [{b}, {self.heads}, {v}, {s + v}] float32"):
+            self.score_copies * 4 * b * self.heads * v * (s + v),
         f"verify logits [{b}, {v}, {self.vocab}] float32": 4 * b * v * self.vocab,
     }
 
@@ -89,7 +85,6 @@ class Run:
 
 def run_of(target, drafter, *, batch: int, max_len: int, nodes: int, platform: str) -> Run:
   """The Run of a Generator's models at this batch, cache length and tree size on `platform`."""
-  from cure_jax.models import layers
   from cure_jax.models.kernels import gpu_attention, tpu_attention
   cfg = target.cfg
   itemsize = jax.numpy.dtype(target.dtype).itemsize
@@ -110,7 +105,7 @@ def run_of(target, drafter, *, batch: int, max_len: int, nodes: int, platform: s
   return Run(batch=batch, max_len=max_len, nodes=nodes, layers=cfg.num_layers,
              heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
              vocab=cfg.vocab_size, itemsize=itemsize, drafter=drafter_dims,
-             score_copies=copies, score_slots=layers.CACHE_BLOCK if platform == "cpu" else 0)
+             score_copies=copies)
 
 
 def available(devices) -> tuple[int, str] | None:
