@@ -35,6 +35,9 @@ def base_config() -> ml_collections.ConfigDict:
                                     # token_counts.npz next to the drafter's weights
   ))
   config.dtype = "float32"          # parameter dtype: float32 | bfloat16
+  config.numerics = "default"       # default | invariant: the target's logits at a position
+                                    # bitwise the same at any batch, tree or prefill chunk
+                                    # (cure_jax/models/numerics.py; dense targets, CPU)
   config.prompts = ""               # JSONL: {"prompt": text} or {"prompt_ids": [ints]} per line
   config.num_prompts = 0            # 0: all
   config.chat_template = True       # wrap text prompts in the tokenizer's chat template

@@ -30,11 +30,11 @@ def main(argv):
     run(config)
 
 
-def _timed(generator, ids, config):
+def _timed(generator, ids, config, batch_size: int):
   """Every batch decoded, after an untimed decode of the first one (config.warmup)."""
   if config.warmup:
-    generator.generate(ids[:config.batch_size])
-  return pipeline.decode_all(generator, ids, config.batch_size)
+    generator.generate(ids[:batch_size])
+  return pipeline.decode_all(generator, ids, batch_size)
 
 
 def run(config):
@@ -52,11 +52,14 @@ def run(config):
   distributed.agree(dict(distributed.config_fields(config), prompts=ids), "configs or prompts")
   stops = pipeline.stop_ids(config.target.path, tokenizer)
   generator = pipeline.make_generator(config, target, drafter, stops)
-  results = _timed(generator, ids, config)
+  results = _timed(generator, ids, config, config.batch_size)
   summary = pipeline.summary(results)
   summary["compile_s"] = sum(generator.compile_s.values())
-  if config.check_ar and config.method != "ar":
-    reference = _timed(pipeline.make_generator(config, target, None, stops, "ar"), ids, config)
+  if config.check_ar and (config.method != "ar" or config.numerics == "invariant"):
+    # invariant numerics: the reference is target-only decoding one prompt at a time
+    batch = 1 if config.numerics == "invariant" else config.batch_size
+    reference = _timed(pipeline.make_generator(config, target, None, stops, "ar"), ids, config,
+                       batch)
     summary["equal_to_ar"] = sum(r.output_ids == a.output_ids for r, a in zip(results, reference))
     summary["ar_tpot_ms"] = pipeline.summary(reference)["tpot_ms"]
   distributed.agree({"results": [r.output_ids for r in results]}, "results")

@@ -185,8 +185,8 @@ def test_unknown_config_fields_name_the_nearest():
                                                   "'cure.v_max'?")
   assert errors.unknown_field(config, "mesh.dta") == ("unknown config field 'mesh.dta'; did you "
                                                       "mean 'mesh.data'?")
-  assert errors.unknown_field(config, "numerics").startswith(
-      "unknown config field 'numerics'; the fields are: auto, batch_size, ")
+  assert errors.unknown_field(config, "xyz").startswith(
+      "unknown config field 'xyz'; the fields are: auto, batch_size, ")
   assert errors.unknown_field(config, "cure.v_max.x") == (
       "unknown config field 'cure.v_max.x': 'cure.v_max' is a setting (64 in the config), not a "
       "group of fields")
@@ -198,7 +198,8 @@ def test_run_settings_are_checked_before_loading(pair):
       ("batch_size", -2, "batch_size=-2 must be a positive integer (prompts decoded together)"),
       ("max_len", -5, "max_len=-5 must be >= 0 (the static cache length; 0 = each prompt's "),
       ("num_prompts", -1, "num_prompts=-1 must be >= 0 (the first N prompts; 0 = all)"),
-      ("drafter.gamma", 0, "drafter.gamma=0 must be a positive integer (ar_draft: drafted ")]:
+      ("drafter.gamma", 0, "drafter.gamma=0 must be a positive integer (ar_draft: drafted "),
+      ("numerics", "exact", "numerics='exact' must be one of default, invariant")]:
     config = base_config()
     node = config.drafter if field.startswith("drafter.") else config
     node[field.split(".")[-1]] = value

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from cure_jax.models import numerics
 from cure_jax.models.axes import DATA, MODEL
 from cure_jax.models.kernels import cpu_attention, gpu_attention, tpu_attention
 
@@ -28,7 +29,10 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    squares = x32 * x32
+    mean = (numerics.tree_sum(squares)[..., None] / x.shape[-1] if numerics.invariant() else
+            jnp.mean(squares, axis=-1, keepdims=True))
+    x32 = x32 * jax.lax.rsqrt(mean + self.eps)
     return self.weight[...] * x32.astype(x.dtype)
 
 
@@ -42,6 +46,8 @@ class Linear(nnx.Linear):
   projection (target-only decoding 1.3x slower)."""
 
   def __call__(self, x):
+    if numerics.invariant():
+      return numerics.matmul(x, self.kernel[...], "mk,kn->mn").astype(self.dtype)
     if math.prod(x.shape[:-1]) != 1:
       return super().__call__(x)
     return jax.lax.platform_dependent(x, cuda=self._two_rows, default=super().__call__)
@@ -235,6 +241,8 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = 
   prefill, or one not in whole blocks of slots).
   """
   args = (q, k_old, v_old, k_new, v_new, mask_old, mask_new)
+  if numerics.invariant():
+    return numerics.attend(*args)
   if not kernel:
     return xla_attend(*args)
   s, groups, head_dim = k_old.shape[2], q.shape[3] // k_old.shape[1], q.shape[4]

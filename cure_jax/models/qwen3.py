@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cure_jax.models.cache import KVCache
+from cure_jax.models import numerics
 from cure_jax.models.kernels import prefix as prefix_attention
 from cure_jax.models.layers import (RMSNorm, Rope, SwiGLU, attend, einsum_f32, embed_lookup,
                                     linear, rope_from_hf)
@@ -148,12 +149,17 @@ class Qwen3(nnx.Module):
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
     if not cfg.tie_embeddings:
       self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
+    self.numerics = "default"   # numerics.MODES; the runtime sets it from config.numerics
 
   def embed(self, tokens):
     return embed_lookup(self.embed_tokens.embedding[...], tokens)
 
   def logits(self, hidden):
     """Float32 logits [..., V] from final hidden states [..., H]."""
+    if self.numerics == "invariant":
+      if self.cfg.tie_embeddings:
+        return numerics.matmul(hidden, self.embed_tokens.embedding[...], "vh,mh->vm")
+      return numerics.matmul(hidden, self.lm_head.kernel[...], "mk,kn->mn")
     w = self.embed_tokens.embedding[...] if self.cfg.tie_embeddings else self.lm_head.kernel[...].T
     return einsum_f32("...h,vh->...v", hidden, w)
 
@@ -178,6 +184,10 @@ class Qwen3(nnx.Module):
     feature_layers uses the transformers `hidden_states` index: 0 is the embedding output, i the
     output of layer i, and num_layers the final normed output.
     """
+    with numerics.mode(self.numerics):
+      return self._forward(tokens, positions, cache, mask, feature_layers)
+
+  def _forward(self, tokens, positions, cache: KVCache, mask, feature_layers):
     x = self.embed(tokens)
     states = {0: x}
     ks, vs = [], []

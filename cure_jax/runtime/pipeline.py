@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cure_jax import methods
+from cure_jax.models import numerics
 from cure_jax.runtime import distributed, hub
 from cure_jax.runtime import draft_vocab as draft_vocab_lib, files
 from cure_jax.runtime.generation import Generator, Result
@@ -101,6 +102,9 @@ def check_config(config) -> None:
     elif value < lowest:
       what = "a positive integer" if lowest == 1 else f">= {lowest}"
       problems.append(f"{name}={value} must be {what} ({meaning})")
+  numerics_mode = config.get("numerics", "default")
+  if numerics_mode not in numerics.MODES:
+    problems.append(f"numerics={numerics_mode!r} must be one of {', '.join(numerics.MODES)}")
   if problems:
     raise ValueError("; ".join(problems))
 
@@ -136,7 +140,13 @@ def load_target(config):
   if not config.target.path:
     raise ValueError("set --config.target.path to a Qwen3/Llama HF directory or converted checkpoint")
   distributed.announce_devices()   # once per run: the devices the model goes to
-  return _qwen3(config, config.target.path)
+  target = _qwen3(config, config.target.path)
+  target.numerics = config.get("numerics", "default")
+  if target.numerics == "invariant" and target.cfg.moe:
+    raise ValueError("numerics=invariant covers dense targets; this one is a mixture of "
+                     "experts (its expert products are not row-invariant): use "
+                     "numerics=default")
+  return target
 
 
 def _autoregressive_drafter(config, target):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from cure_jax.models import cache as cache_lib
+from cure_jax.models import cache as cache_lib, numerics
 from cure_jax.models.kernels import gpu_prefix, tpu_attention
 from cure_jax.models.layers import einsum_f32
 
@@ -57,6 +57,8 @@ def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix):
   copied whole, each layer and chunk (363 of a 6,000-token CPU prefill's 444 MiB of
   temporaries)."""
   args = (q, k_cache, v_cache, k_new, v_new, prefix.lengths, prefix.count)
+  if numerics.invariant():
+    return _written(numerics_attend(*args), k_cache, v_cache, k_new, v_new, prefix)
   platforms = {}
   if gpu_prefix.tiles(k_cache.shape[2], q.shape[1], q.shape[3]):
     platforms["cuda"] = lambda *a: (gpu_prefix.attend(*a[:-1]), a[1], a[2])
@@ -66,7 +68,12 @@ def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix):
     out, k_cache, v_cache = jax.lax.platform_dependent(*args, **platforms, default=xla_attend)
   else:
     out, k_cache, v_cache = xla_attend(*args)
-  slots = cache_lib.append_slots(prefix.lengths, prefix.count, q.shape[1], k_cache.shape[2])
+  return _written(out, k_cache, v_cache, k_new, v_new, prefix)
+
+
+def _written(out, k_cache, v_cache, k_new, v_new, prefix: Prefix):
+  """attend's result: the output and the caches with the chunk's real tokens written."""
+  slots = cache_lib.append_slots(prefix.lengths, prefix.count, k_new.shape[1], k_cache.shape[2])
   return (out, cache_lib.write_layer(k_cache, k_new, slots),
           cache_lib.write_layer(v_cache, v_new, slots))
 
@@ -74,12 +81,24 @@ def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix):
 def tpu_attend(q, k_cache, v_cache, k_new, v_new, lengths, count, *, interpret: bool = False):
   """attend through tpu_attention's kernel: the chunk's rows are one block's, the cache's
   visible slots and the chunk's causal mask as int8 masks ([T, S] and [T, T] a row)."""
+  return _as_block(tpu_attention.attend, q, k_cache, v_cache, k_new, v_new, lengths, count,
+                   interpret=interpret)
+
+
+def numerics_attend(q, k_cache, v_cache, k_new, v_new, lengths, count):
+  """attend in the invariant numerics mode: the chunk as one block of numerics.attend."""
+  return _as_block(numerics.attend, q, k_cache, v_cache, k_new, v_new, lengths, count)
+
+
+def _as_block(attend_block, q, k_cache, v_cache, k_new, v_new, lengths, count, **kwargs):
+  """A chunk through layers.attend's contract: one block (A = 1) whose rows see the row's
+  filled cache slots and, causally, the chunk's real tokens."""
   t = q.shape[1]
   i = jnp.arange(t)
   mask_old = (jnp.arange(k_cache.shape[2])[None] < lengths[:, None])[:, None, None]  # [B,1,1,S]
   mask_new = (i[:, None] >= i[None]) & (i[None, None] < count[:, None, None])       # [B, T, T]
-  return tpu_attention.attend(q[:, None], k_cache, v_cache, k_new[:, None], v_new[:, None],
-                              mask_old, mask_new[:, None], interpret=interpret)[:, 0]
+  return attend_block(q[:, None], k_cache, v_cache, k_new[:, None], v_new[:, None],
+                      mask_old, mask_new[:, None], **kwargs)[:, 0]
 
 
 def xla_attend(q, k_cache, v_cache, k_new, v_new, lengths, count):

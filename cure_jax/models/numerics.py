@@ -1,0 +1,165 @@
+"""Numerics modes of the target's forward pass.
+
+"default": each product as the platform computes it fastest. Its reductions follow the shapes:
+XLA:CPU multiplies one row by a matrix through a GEMV and two or more through YNNPACK's GEMM
+(the sums come out differently), vectorises a row-wise norm across rows from 8 rows on, and
+attention sums the cache and the new tokens apart. So a token's logits depend, in the last bits,
+on how many rows were computed beside it (batch, tree nodes, a prefill chunk) and on where its
+context's keys lie (cache or new tokens), and greedy decoding can flip at near-ties.
+
+"invariant": the logits of a sequence at position p are a function of its tokens up to p alone,
+bitwise, whatever else is computed with them:
+- matmuls run on row tiles of MIN_ROWS..MAX_ROWS rows, each tile one product: XLA:CPU computes
+  every row of such a product the same way (tests/test_numerics.py proves it for the model's
+  shapes; one row alone is padded to two);
+- norms sum their squares as an explicit pairwise tree of elementwise adds (each add is IEEE,
+  the same in any vectorisation);
+- attention computes each score as an explicit tree over the head dimension, takes the maximum
+  over the visible keys (exact in any order), and sums the softmax's weights and weighted values
+  exactly: every term is cut to a common grid (pre-rounding, as in Demmel & Nguyen's
+  reproducible summation) and summed as integers, so the sum is the same in any order and any
+  split between cache and new tokens.
+The mode is a trace-time setting (`with numerics.mode("invariant"):`), entered by the target's
+forward pass; a mesh changes how each product is split, so invariance holds for one mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("default", "invariant")
+MIN_ROWS, MAX_ROWS = 2, 32   # rows per matmul tile in invariant mode (XLA:CPU: tests/test_numerics)
+_NEG = float(jnp.finfo(jnp.float32).min)
+_mode = ["default"]
+
+
+@contextlib.contextmanager
+def mode(name: str):
+  """Traces the enclosed computation in numerics mode `name` (one of MODES)."""
+  if name not in MODES:
+    raise ValueError(f"numerics={name!r}: expected one of {', '.join(MODES)}")
+  _mode.append(name)
+  try:
+    yield
+  finally:
+    _mode.pop()
+
+
+def invariant() -> bool:
+  return _mode[-1] == "invariant"
+
+
+def matmul(x, w, spec: str):
+  """jnp.einsum(spec, x, w) summed in float32 for x [..., K], its rows computed in tiles of
+  MIN_ROWS..MAX_ROWS, each tile one product. spec "mk,kn->mn" takes a kernel [K, N]; a
+  weight-first spec ("vh,mh->vm", a tied head's embedding [V, H]) multiplies the weight as it
+  lies by the tile's transpose (rows as columns: XLA:CPU would otherwise copy the weight
+  transposed each call), in tiles of at most 16 rows (32 columns take another kernel)."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  rows = math.prod(lead)
+  flat = x.reshape(rows, k).astype(jnp.float32)
+  w = w.astype(jnp.float32)
+  if spec.startswith("v"):
+    most = MAX_ROWS // 2
+    product = lambda t: jax.lax.optimization_barrier(jnp.einsum(spec, w, t)).T  # noqa: E731
+  else:
+    most = MAX_ROWS
+    product = lambda t: jnp.einsum(spec, t, w)                              # noqa: E731
+  if rows <= most:
+    padded = jnp.pad(flat, ((0, max(MIN_ROWS - rows, 0)), (0, 0)))
+    out = product(padded)[:rows]
+  else:
+    tiles = -(-rows // most)
+    padded = jnp.pad(flat, ((0, tiles * most - rows), (0, 0)))
+    out = jax.lax.map(product, padded.reshape(tiles, most, k))
+    out = out.reshape(tiles * most, -1)[:rows]
+  return out.reshape(lead + (-1,))
+
+
+def tree_sum(x, axis: int = -1):
+  """Sum over `axis` as a fixed tree of elementwise adds: halves while the length is even, then
+  the rest one by one."""
+  x = jnp.moveaxis(x, axis, 0)
+  while x.shape[0] > 1 and x.shape[0] % 2 == 0:
+    half = x.shape[0] // 2
+    x = x[:half] + x[half:]
+  total = x[0]
+  for i in range(1, x.shape[0]):
+    total = total + x[i]
+  return total
+
+
+# exact sums: terms cut to the grid 2^(e - _GRID) of their common bound 2^e, as three 15-bit
+# integer limbs; int32 limb sums stay exact for up to 2^16 terms
+_GRID, _LIMB = 44, 15
+
+
+def _limb_sums(x, e, axis: int):
+  """Sums over `axis` of x (|x| < 2^e) cut toward zero to the grid 2^(e - _GRID), as three int32
+  limb sums (exact, so in any order). Each limb is its own reduction so that XLA fuses the
+  terms into it rather than writing them out; every step is exact in float32 (a magnitude below
+  2^_GRID split at 2^30 and 2^15, by powers of two)."""
+  scaled = jnp.abs(x) * _power_of_two(_GRID - e)
+  sign = jnp.sign(x)
+  hi = jnp.floor(scaled * 2.0 ** (-2 * _LIMB))
+  rest = scaled - hi * 2.0 ** (2 * _LIMB)
+  mid = jnp.floor(rest * 2.0 ** -_LIMB)
+  lo = jnp.floor(rest - mid * 2.0 ** _LIMB)
+  return tuple((limb * sign).astype(jnp.int32).sum(axis) for limb in (hi, mid, lo))
+
+
+def _from_limbs(sums, e):
+  """The float32 value of integer limb sums (hi, mid, lo) on the grid 2^(e - _GRID)."""
+  hi, mid, lo = (x.astype(jnp.float32) for x in sums)
+  total = (hi * 2.0 ** (2 * _LIMB) + mid * 2.0 ** _LIMB) + lo
+  return total * _power_of_two(e - _GRID)
+
+
+def _power_of_two(n):
+  """2.0 ** n for integer n (exact), built from the exponent bits rather than a power."""
+  n = jnp.clip(n, -126, 127)
+  return jax.lax.bitcast_convert_type((n + 127).astype(jnp.int32) << 23, jnp.float32)
+
+
+def _add(a, b):
+  return tuple(x + y for x, y in zip(a, b))
+
+
+def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
+  """layers.attend in invariant mode (shapes there); exact in any order and any split of the
+  keys between cache and new tokens. Cost: every score and weighted value is elementwise work,
+  rows x keys x head size, with no matmul library."""
+  b, a, t, h, d = q.shape
+  kvh = k_old.shape[1]
+  qg = q.reshape(b, a, t, kvh, h // kvh, d, 1).astype(jnp.float32)     # [B, A, T, KVH, G, D, 1]
+  vo = v_old[:, None, None, :, None].astype(jnp.float32)                # [B, 1, 1, KVH, 1, S, D]
+  vn = v_new.transpose(0, 1, 3, 2, 4)[:, :, None, :, None].astype(jnp.float32)  # [B,A,1,KVH,1,U,D]
+  # keys head-dimension first, so that each level of the tree adds whole rows of keys
+  ko = k_old.swapaxes(2, 3)[:, None, None, :, None].astype(jnp.float32)  # [B, 1, 1, KVH, 1, D, S]
+  kn = k_new.transpose(0, 1, 3, 4, 2)[:, :, None, :, None].astype(jnp.float32)  # [B,A,1,KVH,1,D,U]
+  seen_old = mask_old[:, :, :, None, None]                              # [B, A, T, 1, 1, S]
+  seen_new = mask_new[:, :, :, None, None]
+  scale = 1.0 / math.sqrt(d)
+  s_old = jnp.where(seen_old, tree_sum(qg * ko, -2) * scale, _NEG)     # [B, A, T, KVH, G, S]
+  s_new = jnp.where(seen_new, tree_sum(qg * kn, -2) * scale, _NEG)
+  top = jnp.maximum(s_old.max(-1, initial=_NEG), s_new.max(-1, initial=_NEG))[..., None]
+  p_old = jnp.where(seen_old, jnp.exp(s_old - top), 0.0)
+  p_new = jnp.where(seen_new, jnp.exp(s_new - top), 0.0)
+  one = jnp.ones((), jnp.int32)                                          # p <= 1 < 2^1
+  total = _from_limbs(_add(_limb_sums(p_old, one, -1), _limb_sums(p_new, one, -1)), one)
+  bound = jnp.maximum(_visible_max(vo, seen_old), _visible_max(vn, seen_new))
+  _, e = jnp.frexp(bound)                                 # bound < 2^e, [B, A, T, KVH, G, D]
+  e = jnp.maximum(e, _GRID - 126)      # a bound below 2^-82 is taken as 2^-82 (a finite scale)
+  sums = _add(_limb_sums(p_old[..., None] * vo, e[..., None, :], -2),
+              _limb_sums(p_new[..., None] * vn, e[..., None, :], -2))   # 3 x [B, A, T, KVH, G, D]
+  out = _from_limbs(sums, e) / jnp.where(total > 0, total, 1.0)[..., None]
+  return out.reshape(b, a, t, h, d).astype(q.dtype)
+
+
+def _visible_max(v, seen):
+  """max |v| over the visible keys, [B, A, T, KVH, G, D] (0 where none is visible)."""
+  return jnp.where(seen[..., None], jnp.abs(v), 0.0).max(-2, initial=0.0)

@@ -1,0 +1,181 @@
+"""numerics="invariant" (cure_jax/models/numerics.py): a token's logits are bitwise the same
+whatever else is computed with them. Each invariance is also shown failing in the default mode on
+the same inputs, so that the tests can fail: the default mode is what they guard against."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import common
+from cure_jax.analysis import random_models
+from cure_jax.models import layers, numerics
+from cure_jax.models.kernels import prefix as prefix_attention
+from cure_jax.runtime import pipeline
+from tests.test_attention_kernels import _inputs, reference
+
+ROWS = [1, 2, 3, 8, 16, 17, 32, 33, 64, 100]
+# the embedded default's (SmolLM2-135M) products as the model runs them: q/o, k/v, gate/up, down
+# (x [M, K] x kernel [K, N]) and the tied head (embedding [V, H] first, the rows as columns)
+PRODUCTS = [(576, 576, "mk,kn->mn"), (576, 192, "mk,kn->mn"), (576, 1536, "mk,kn->mn"),
+            (1536, 576, "mk,kn->mn"), (576, 49152, "vh,mh->vm")]
+
+
+def _rows_alone_vs_together(product, k, n, spec, seed):
+  """Per M in ROWS, whether every row of product(x[:M]) equals that row computed alone."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((max(ROWS), k)).astype(np.float32)
+  shape = (n, k) if spec.startswith("v") else (k, n)
+  w = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+  f = jax.jit(product)
+  alone = np.concatenate([np.asarray(f(jnp.asarray(x[i:i + 1]), w)) for i in range(max(ROWS))])
+  return [np.array_equal(np.asarray(f(jnp.asarray(x[:m]), w)), alone[:m]) for m in ROWS]
+
+
+@pytest.mark.parametrize("k,n,spec", PRODUCTS)
+def test_matmul_rows_do_not_depend_on_the_rows_beside_them(k, n, spec):
+  """XLA:CPU multiplies one row through a GEMV and 2-32 rows through one GEMM kernel (33+ can
+  take another): the plain product's rows change with M; the invariant tiles' do not."""
+  tiles = lambda x, w: numerics.matmul(x, w, spec)                     # noqa: E731
+  plain = ((lambda x, w: x @ w.T) if spec.startswith("v") else (lambda x, w: x @ w))
+  assert all(_rows_alone_vs_together(tiles, k, n, spec, 0))
+  assert not all(_rows_alone_vs_together(plain, k, n, spec, 0))
+
+
+def test_norm_rows_do_not_depend_on_the_rows_beside_them():
+  """XLA:CPU vectorises a row-wise mean across rows from 8 rows on; the explicit tree of adds
+  gives each row the same sum at any count."""
+  norm = layers.RMSNorm(576, 1e-6, jnp.float32)
+  x = np.random.default_rng(1).standard_normal((64, 576)).astype(np.float32) * 3
+
+  def rows(mode):
+    with numerics.mode(mode):
+      f = jax.jit(lambda v: norm(v))
+      alone = np.concatenate([np.asarray(f(jnp.asarray(x[i:i + 1]))) for i in range(64)])
+      return [np.array_equal(np.asarray(f(jnp.asarray(x[:m]))), alone[:m]) for m in (2, 8, 64)]
+
+  assert all(rows("invariant"))
+  assert not all(rows("default"))
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 4, 2, 64, 256, 1), (2, 1, 17, 8, 2, 64, 384, 17),
+                                   (1, 1, 16, 8, 4, 128, 128, 16)])
+def test_attention_equals_softmax_attention(shape):
+  """Against float64 attention: the cut to the grid costs 2^-44 of each sum's bound, far below
+  float32's own rounding (scores, exp and the division: a few ulp of the output's scale)."""
+  args = _inputs(shape, seed=sum(shape))
+  want = reference(*(np.asarray(x, np.float64) if x.dtype != bool else
+                     np.broadcast_to(x, args[0].shape[:3] + x.shape[-1:]) for x in args))
+  got = np.asarray(jax.jit(numerics.attend)(*map(jnp.asarray, args)))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_attention_does_not_depend_on_where_the_keys_lie():
+  """A query over 41 keys: 41 in the cache and 1 new (a decode step), 33 and 8 (a verified
+  block), the block as a tree node beside 3 siblings and at another batch row: bitwise the same
+  output. The default form differs between the first two."""
+  rng = np.random.default_rng(2)
+  h, kvh, d, s, n = 8, 2, 64, 96, 40
+  q = rng.standard_normal((1, 1, 1, h, d)).astype(np.float32)
+  k, v = (rng.standard_normal((1, kvh, s, d)).astype(np.float32) for _ in range(2))
+
+  def split(cached, rows=1, others=0):
+    new = n + 1 - cached
+    k_new = np.repeat(k[:, :, cached:n + 1].transpose(0, 2, 1, 3)[:, None], rows, 0)
+    v_new = np.repeat(v[:, :, cached:n + 1].transpose(0, 2, 1, 3)[:, None], rows, 0)
+    qs = np.concatenate([q, rng.standard_normal((others, 1, 1, h, d)).astype(np.float32)])
+    mask_old = np.broadcast_to(np.arange(s) < cached, (rows, 1, 1, s))
+    mask_new = np.ones((rows, 1, 1, new), bool)
+    return (qs[:rows], np.repeat(k, rows, 0), np.repeat(v, rows, 0), k_new, v_new, mask_old,
+            mask_new)
+
+  def tree(cached):
+    """the query as node 3 of 4 siblings' chains: its ancestors are new tokens 0..2."""
+    q4 = np.concatenate([rng.standard_normal((1, 1, 3, h, d)).astype(np.float32), q], 2)
+    k_new = k[:, :, cached:n + 1].transpose(0, 2, 1, 3)[:, None]
+    v_new = v[:, :, cached:n + 1].transpose(0, 2, 1, 3)[:, None]
+    mask_new = np.tril(np.ones((4, 4), bool))[None, None]
+    mask_old = np.broadcast_to(np.arange(s) < cached, (1, 1, 4, s))
+    return q4, k, v, k_new, v_new, mask_old, mask_new
+
+  invariant = jax.jit(numerics.attend)
+  one = np.asarray(invariant(*split(n)))[0, 0, 0]
+  for got in (invariant(*split(33))[0, 0, 0], invariant(*split(n, rows=3, others=2))[0, 0, 0],
+              invariant(*tree(n - 3))[0, 0, 3]):
+    np.testing.assert_array_equal(np.asarray(got), one)
+  default = jax.jit(layers.xla_attend)
+  assert not np.array_equal(np.asarray(default(*split(n))), np.asarray(default(*split(33))))
+
+
+ARCH = random_models.Arch(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64,
+                          target_layer_ids=(0, 1))
+SMALL = random_models.Arch(vocab=8, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                           draft_layers=1, block_size=4, target_layer_ids=(0, 1))
+
+
+def _dirs(tmp_path, arch, seed):
+  target, drafter = random_models.pair(arch, seed)
+  target_dir, drafter_dir = random_models.write_hf(tmp_path, target, drafter)
+  return str(target_dir), str(drafter_dir)
+
+
+def _config(dirs, dtype: str, numerics_mode: str, method: str = "ar"):
+  """The config experiments.decode would run (so config.numerics takes the runtime's path)."""
+  config = common.base_config()
+  config.update(method=method, dtype=dtype, numerics=numerics_mode, max_new_tokens=16,
+                max_len=48)
+  config.target.path, config.drafter.path = dirs[0], dirs[1] if method != "ar" else ""
+  config.cure.update(tau_margin=1e9, v_max=16, topk=2, beam_width=3)   # a repair every block
+  config.auto.update(budgets="1,12", costs="1.0,1.05", explore_every=3)  # auto drafts
+  return config
+
+
+def _prefill_logits(target, tokens, rows: int, chunk: int):
+  """Logits of row 0 at every position, the first `rows` prompts prefilled `chunk` at a time."""
+  cache = target.init_cache(rows, 64)
+
+  @jax.jit
+  def step(tok, pos, cache, count):
+    out = target(tok, pos, cache, prefix_attention.Prefix(cache.lengths, count))
+    return target.logits(out.hidden), out.k, out.v
+
+  logits = []
+  for start in range(0, tokens.shape[1], chunk):
+    tok = jnp.asarray(tokens[:rows, start:start + chunk])
+    count = jnp.full((rows,), tok.shape[1], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(start, start + tok.shape[1]), tok.shape)
+    lg, k, v = step(tok, pos, cache, count)
+    cache = cache.replace(k=k, v=v).advance(count)
+    logits.append(np.asarray(lg[0]))
+  return np.concatenate(logits)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_do_not_depend_on_batch_or_chunk(dtype, tmp_path):
+  """A prompt's logits at all 20 positions, prefilled alone in one chunk, beside 2 and 7 other
+  prompts, token by token, in chunks of 5 and 7: bitwise the same in invariant mode; the
+  default mode's differ."""
+  dirs = _dirs(tmp_path, ARCH, seed=1)
+  tokens = np.random.default_rng(0).integers(0, ARCH.vocab, (8, 20)).astype(np.int32)
+  ways = [(3, 20), (8, 20), (1, 1), (8, 1), (3, 5), (1, 7)]
+  for mode, same in (("invariant", True), ("default", False)):
+    target = pipeline.load_target(_config(dirs, dtype, mode))
+    alone = _prefill_logits(target, tokens, 1, 20)
+    equal = [np.array_equal(_prefill_logits(target, tokens, r, c), alone) for r, c in ways]
+    assert all(equal) if same else not all(equal), (mode, equal)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_method_at_any_batch_emits_target_only_tokens_at_batch_1(dtype, tmp_path):
+  """Greedy ar (batch 16), chain, ddtree, cure and auto (batch 4), invariant numerics: each
+  prompt's tokens equal target-only decoding of that prompt alone (float32 and bfloat16)."""
+  dirs = _dirs(tmp_path, SMALL, seed=4)
+  prompts = random_models.prompts(9, SMALL.vocab, 16, lo=3, hi=30)
+  target = pipeline.load_target(_config(dirs, dtype, "invariant"))
+  alone = pipeline.decode_all(pipeline.make_generator(_config(dirs, dtype, "invariant"), target,
+                                                      None), prompts, 1)
+  for method, batch in [("ar", 16), ("chain", 4), ("ddtree", 4), ("cure", 4), ("auto", 4)]:
+    config = _config(dirs, dtype, "invariant", method)
+    gen = pipeline.make_generator(config, target, pipeline.load_drafter(config, target))
+    got = pipeline.decode_all(gen, prompts, batch)
+    assert [r.output_ids for r in got] == [r.output_ids for r in alone], (method, batch)
