@@ -122,7 +122,7 @@ def _dirs(tmp_path, arch, seed):
 def _config(dirs, dtype: str, numerics_mode: str, method: str = "ar"):
   """The config experiments.decode would run (so config.numerics takes the runtime's path)."""
   config = common.base_config()
-  config.update(method=method, dtype=dtype, numerics=numerics_mode, max_new_tokens=16,
+  config.update(method=method, dtype=dtype, numerics=numerics_mode, max_new_tokens=12,
                 max_len=48)
   config.target.path, config.drafter.path = dirs[0], dirs[1] if method != "ar" else ""
   config.cure.update(tau_margin=1e9, v_max=16, topk=2, beam_width=3)   # a repair every block
@@ -152,12 +152,12 @@ def _prefill_logits(target, tokens, rows: int, chunk: int):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_do_not_depend_on_batch_or_chunk(dtype, tmp_path):
-  """A prompt's logits at all 20 positions, prefilled alone in one chunk, beside 2 and 7 other
-  prompts, token by token, in chunks of 5 and 7: bitwise the same in invariant mode; the
+  """A prompt's logits at all 20 positions, prefilled alone in one chunk, beside 2 other prompts,
+  token by token beside 7, in chunks of 5 beside 2: bitwise the same in invariant mode; the
   default mode's differ."""
   dirs = _dirs(tmp_path, ARCH, seed=1)
   tokens = np.random.default_rng(0).integers(0, ARCH.vocab, (8, 20)).astype(np.int32)
-  ways = [(3, 20), (8, 20), (1, 1), (8, 1), (3, 5), (1, 7)]
+  ways = [(3, 20), (8, 1), (3, 5)]
   for mode, same in (("invariant", True), ("default", False)):
     target = pipeline.load_target(_config(dirs, dtype, mode))
     alone = _prefill_logits(target, tokens, 1, 20)
@@ -165,16 +165,22 @@ def test_logits_do_not_depend_on_batch_or_chunk(dtype, tmp_path):
     assert all(equal) if same else not all(equal), (mode, equal)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# per dtype, (method, batch): every method in float32; in bfloat16, where near-ties are common,
+# the verification passes of a chain and a tree
+RUNS = {"float32": [("ar", 12), ("chain", 4), ("ddtree", 4), ("cure", 4), ("auto", 4)],
+        "bfloat16": [("chain", 4), ("ddtree", 4)]}
+
+
+@pytest.mark.parametrize("dtype", RUNS)
 def test_every_method_at_any_batch_emits_target_only_tokens_at_batch_1(dtype, tmp_path):
-  """Greedy ar (batch 16), chain, ddtree, cure and auto (batch 4), invariant numerics: each
-  prompt's tokens equal target-only decoding of that prompt alone (float32 and bfloat16)."""
+  """Greedy decoding in invariant numerics: each prompt's tokens equal target-only decoding of
+  that prompt alone, for every method at batch 4 and target-only at batch 12."""
   dirs = _dirs(tmp_path, SMALL, seed=4)
-  prompts = random_models.prompts(9, SMALL.vocab, 16, lo=3, hi=30)
+  prompts = random_models.prompts(9, SMALL.vocab, 12, lo=3, hi=30)
   target = pipeline.load_target(_config(dirs, dtype, "invariant"))
   alone = pipeline.decode_all(pipeline.make_generator(_config(dirs, dtype, "invariant"), target,
                                                       None), prompts, 1)
-  for method, batch in [("ar", 16), ("chain", 4), ("ddtree", 4), ("cure", 4), ("auto", 4)]:
+  for method, batch in RUNS[dtype]:
     config = _config(dirs, dtype, "invariant", method)
     gen = pipeline.make_generator(config, target, pipeline.load_drafter(config, target))
     got = pipeline.decode_all(gen, prompts, batch)
