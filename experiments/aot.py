@@ -14,6 +14,10 @@ analysis and an independent count of the HBM traffic of one loop iteration
   python -m experiments.aot --config=configs/qwen3_8b.py --topology=cpu --config.dtype=float32 \
     --methods=ar,chain,cure --v_max=64 --batch=1
 
+With a drafter training config, --programs=train compiles its online training step instead
+(cure_jax/training/program.py), e.g. `--config=configs/train/qwen3_8b.py --programs=train
+--topology=v5e:4x4 --config.mesh.model=4 --config.train.seqs_per_step=16`.
+
 A config may carry an `aot` field (configs/qwen3_coder_30b_a3b.py): its target, drafter,
 topology, methods, v_max, batch and output replace these flags' defaults; flags given on the
 command line still win. Writes <output>.json and <output>.md (atomically). libtpu takes a lock
@@ -26,7 +30,6 @@ import atexit
 import dataclasses
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -49,7 +52,7 @@ from cure_jax import methods
 from cure_jax.runtime import decoding, draft_vocab as draft_vocab_lib, errors, pipeline, sharding
 from cure_jax.models.cache import KVCache
 from cure_jax.runtime.generation import decoding_spec, platform_prefill_chunk
-from cure_jax.costs import gpu_targets, hlo_traffic, launches
+from cure_jax.costs import gpu_targets, hlo_traffic, launches, refusals
 from cure_jax.analysis import compiled_report, report
 
 _CONFIG = errors.config_flag("configs/qwen3_8b.py", "decoding config (dtype, mesh, cure settings)")
@@ -66,7 +69,10 @@ _MAX_LEN = flags.DEFINE_integer("max_len", 4096, "static cache length")
 _PROMPT = flags.DEFINE_integer("prompt_len", 256, "prompt bucket (prefill length)")
 _PROGRAMS = flags.DEFINE_list("programs", ["prefill", "decode", "forward"],
                               "what to compile: prefill, decode (the loop), forward (one "
-                              "1-token target forward)")
+                              "1-token target forward), or train (alone, with a drafter "
+                              "training config)")
+_TRAIN_LEN = flags.DEFINE_integer("train_len", 3072, "train: tokens per sequence (the padded "
+                                  "context of one training row)")
 _OUTPUT = flags.DEFINE_string("output", "results/aot/qwen3_8b", "output path without extension")
 _DUMP_HLO = flags.DEFINE_string("dump_hlo", "", "folder: also write each optimized HLO module")
 _OPTIONS = flags.DEFINE_list("compiler_options", [], "XLA options for every compile, name=value "
@@ -80,7 +86,7 @@ _RECOUNT = flags.DEFINE_bool("recount", False, "compile nothing: recount the HLO
                              "dumped into --dump_hlo and rewrite its --output report")
 
 METHODS = ("ar", "chain", "cure", "ddtree", "hybrid")
-PROGRAMS = ("prefill", "decode", "forward")
+PROGRAMS = ("prefill", "decode", "forward", "train")
 
 
 def setting(holder, config):
@@ -93,28 +99,6 @@ def setting(holder, config):
 
 
 # --- devices and models ------------------------------------------------------------------------
-
-def topology_devices(name: str) -> list:
-  """Compile-only devices of a TPU topology or of NVIDIA GPUs (gpu_targets: 'h100', 'h100:8'),
-  or the CPU backend's devices for 'cpu'."""
-  if name == "cpu":
-    return jax.devices("cpu")
-  if gpu_targets.parse(name):
-    return gpu_targets.devices(name)
-  try:
-    import libtpu  # noqa: F401  (jax finds the TPU compiler through this package)
-  except ImportError as e:
-    raise ValueError(f"--topology={name} needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" "
-                     "(no TPU needed; a separate venv keeps it away from other JAX processes)"
-                     ) from e
-  from jax.experimental import topologies
-  try:
-    return list(topologies.get_topology_desc(name, "tpu").devices)
-  except Exception as e:  # libtpu's messages do not name the valid choices
-    raise ValueError(f"unknown TPU topology {name!r} ({type(e).__name__}: {e}); use "
-                     "<generation>:<chips>, e.g. v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1, a GPU "
-                     f"({', '.join(gpu_targets.GPUS)}, e.g. h100 or h100:8), or 'cpu'") from e
-
 
 def abstract_pair(target_dir: str, drafter_dir: str | None, dtype):
   """(target, drafter) with ShapeDtypeStruct parameters, from the directories' config.json."""
@@ -317,27 +301,11 @@ def prefill_chunks() -> int:
   return -(-_PROMPT.value // min(int(_CONFIG.value.prefill_chunk), _PROMPT.value))
 
 
-_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}   # XLA's: binary
-_ASKED = (re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
-          re.compile(r"[Uu]sed ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
-          re.compile(r"allocation with size ([\d.]+)([KMGT]?) and limit ([\d.]+)([KMGT]?)"))
-
-
 def failure(case: Case, error: Exception) -> dict:
   """The record of a program the compiler refused: its message and, when the message says,
   the bytes the program asked for and the bytes the device has."""
-  message = str(error).strip()
-  rec = dict(case=case.name, program=case.program, method=case.method, batch=case.batch,
-             v_max=case.v_max, failed=True, error=message[:4000], bytes_asked=None,
-             bytes_available=None, memory="vmem" if "vmem" in message.lower() else "hbm")
-  for pattern in _ASKED:
-    m = pattern.search(message)
-    if m:
-      asked, unit, have, have_unit = m.groups()
-      rec.update(bytes_asked=float(asked) * _UNITS[unit],
-                 bytes_available=float(have) * _UNITS[have_unit])
-      break
-  return rec
+  return dict(case=case.name, program=case.program, method=case.method, batch=case.batch,
+              v_max=case.v_max, **refusals.read(error))
 
 
 def traffic_bounds(case: Case, loop: dict, w: dict[str, float], verify_tokens: int = 1) -> dict:
@@ -422,18 +390,42 @@ def recount(output: str, dump: str) -> None:
   print(f"recounted {len(data['records'])} programs into {output}.json and .md")
 
 
+def train_main(config, target_dir: str, topology: str, output: str) -> None:
+  """Compiles the online training step of a drafter training config (--programs=train)."""
+  from cure_jax.training import program
+  gpu_setup(topology)
+  devices = gpu_targets.topology_devices(topology)
+  target, _ = abstract_pair(target_dir, None, pipeline.DTYPES[config.target.dtype])
+  try:
+    meta, rec = program.compile_train(config, target, devices, topology, _TRAIN_LEN.value,
+                                      _DUMP_HLO.value or None)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  meta["target"] = target_dir
+  print(program.summary(rec), flush=True)
+  pipeline.write_json(output + ".json", json.loads(json.dumps(dict(meta=meta, records=[rec]),
+                                                              default=str)))
+  report.write_text(output + ".md", program.markdown(meta, rec))
+  print(f"wrote {output}.json and .md")
+
+
 def main(argv):
   del argv
   if _RECOUNT.value:
     return recount(_OUTPUT.value, _DUMP_HLO.value)
   config = _CONFIG.value
+  programs = [p.strip() for p in _PROGRAMS.value]
+  if "train" in programs or "train" in config:
+    if programs != ["train"] or "train" not in config:
+      raise app.UsageError("--programs=train goes alone, with a drafter training config "
+                           "(configs/train/...); other programs take a decoding config")
+    return train_main(config, *(setting(f, config) for f in (_TARGET, _TOPOLOGY, _OUTPUT)))
   target_dir, drafter_dir, topology, output = (setting(f, config) for f in (
       _TARGET, _DRAFTER, _TOPOLOGY, _OUTPUT))
   names = [m.strip() for m in setting(_METHODS, config)]
   bad = [m for m in names if m not in METHODS]
   if bad:
     raise app.UsageError(f"--methods: unknown {bad}; choose from {METHODS}")
-  programs = [p.strip() for p in _PROGRAMS.value]
   if [p for p in programs if p not in PROGRAMS]:
     raise app.UsageError(f"--programs={_PROGRAMS.value}; choose from {PROGRAMS}")
   try:
@@ -448,7 +440,7 @@ def main(argv):
     print("note: the CPU backend upcasts bf16 weights (temporaries of the model's size); CPU "
           "figures are meaningful in float32 (--config.dtype=float32)")
   dump = gpu_setup(topology)
-  devices = topology_devices(topology)
+  devices = gpu_targets.topology_devices(topology)
   options = decoding.platform_options(devices[0].platform,
                                       pipeline.compiler_options(_OPTIONS.value))
   with config.unlocked():   # 0: the compiled-for platform's default, not this host's

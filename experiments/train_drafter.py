@@ -24,6 +24,7 @@ import time
 # XLA's constant folding of zero-cache prefills takes minutes per shape on CPU; skip it.
 os.environ.setdefault("XLA_FLAGS", "--xla_disable_hlo_passes=constant_folding")
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
@@ -40,21 +41,42 @@ _STAGE = flags.DEFINE_enum("stage", "train", ["data", "rebuild", "train", "expor
 
 
 def generate_data(config) -> dict:
-  """Writes the target's responses to config.generate.prompts, with features, as shards."""
+  """Writes the target's responses to config.generate.prompts as shards: with features (stored
+  mode, drafter_data.run), or tokens only through the batched decoder (data.features=online,
+  training/responses.py; this process's share of the prompts)."""
   from cure_jax.checkpoints.qwen3 import load_target
-  from cure_jax.training import data as drafter_data
+  from cure_jax.training import data as drafter_data, responses
   from cure_jax.runtime import prompts as prompts_lib
+  from cure_jax.tree.sampling import Sampling
 
   g = config.generate
   if not g.prompts or not g.out:
     raise app.UsageError("--stage=data needs --config.generate.prompts (JSONL files) and "
                          "--config.generate.out (the data folder)")
-  if not config.model.target_layer_ids:
+  online = config.data.features == "online"
+  if not config.model.target_layer_ids and not online:
     raise app.UsageError("--stage=data needs --config.model.target_layer_ids")
+  sampling = Sampling(float(g.temperature), int(g.top_k), float(g.top_p))
+  try:
+    sampling.validate()
+  except ValueError as e:
+    raise app.UsageError(f"generate: {e}") from e
   target_dir = pipeline.resolve_path(config.target.path)
   rows = [row for path in g.prompts for row in prompts_lib.read_jsonl(path)]
   tokenizer = pipeline.load_tokenizer(target_dir)
   target = load_target(target_dir, pipeline.dtype_of(config.target), progress=False)
+  log = lambda msg: print(msg, flush=True)  # noqa: E731
+  if online:
+    with distributed.job(config):   # several hosts: each decodes its share into its folder
+      out = g.out.format(process=jax.process_index())
+      stats = responses.run(
+          target, tokenizer, rows, out=out, target_dir=target_dir,
+          stops=pipeline.stop_ids(target_dir, tokenizer), batch_size=g.batch_size,
+          max_new_tokens=g.max_new_tokens, sampling=sampling, seed=g.seed, thinking=g.thinking,
+          max_minutes=g.max_minutes or float("inf"), shard_batches=g.shard_batches,
+          responses=g.responses.format(process=jax.process_index()) or None, log=log)
+    print(f"data: {stats}", flush=True)
+    return stats
   stats = drafter_data.run(
       target, tokenizer, rows, out=g.out, target_dir=target_dir,
       target_layer_ids=tuple(config.model.target_layer_ids),

@@ -170,3 +170,42 @@ def test_a_config_sets_the_defaults_and_an_moe_pair_compiles(tmp_path):
   assert data["meta"]["target"] == str(tmp_path / "target")
   assert [r["case"] for r in data["records"]] == ["decode/ar/b1", "decode/chain/b1"]
   assert all(r["iteration"]["by_label"]["target_weights"] > 0 for r in data["records"])
+
+
+def _run_train(tmp_path, *flags):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  return subprocess.run([sys.executable, "-m", "experiments.aot", "--config=configs/train/tiny.py",
+                         "--programs=train", "--topology=cpu", f"--target={tmp_path / 'target'}",
+                         "--config.model.target_layer_ids=(0, 1)", "--train_len=24",
+                         f"--output={tmp_path / 'train'}", *flags],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_training_step_compiles_and_counts_on_the_cpu_backend(pair_dirs):
+  """The online training step of the tiny recipe: what it holds, the FLOPs it executes (its
+  dots, the target's 24-token chunk included) against the useful ones counted from shapes,
+  which cannot exceed them, and a projected step no shorter than any one of its floors."""
+  child = _run_train(pair_dirs, "--config.train.target_chunk=8")
+  assert child.returncode == 0, child.stderr[-3000:]
+  rec = json.loads((pair_dirs / "train.json").read_text())["records"][0]
+  assert rec["program"] == "train" and rec["seq_len"] == 24 and rec["chips"] == 1
+  assert rec["argument_bytes"] > 0 and rec["per_chip_bytes"] >= rec["argument_bytes"]
+  assert rec["hbm_by_label"]["target_weights"] > 0 and rec["hbm_by_label"]["optimizer"] > 0
+  assert rec["model_flops"]["total"] <= rec["dot_flops_per_chip"] <= 3 * rec["model_flops"]["total"]
+  assert rec["step_s"] == max(rec["flop_s"], rec["hbm_s"], rec["collective_s"])
+  assert 0 < rec["mfu"] <= 1 and rec["collective_bytes"] == {}
+
+
+@pytest.mark.parametrize("config, programs, message", [
+    ("configs/qwen3_8b.py", "train", "train goes alone, with a drafter training config"),
+    ("configs/train/tiny.py", "train,decode", "train goes alone"),
+])
+def test_train_program_bad_inputs_are_named(pair_dirs, config, programs, message):
+  child = subprocess.run([sys.executable, "-m", "experiments.aot", f"--config={config}",
+                          f"--programs={programs}", "--topology=cpu",
+                          f"--target={pair_dirs / 'target'}"],
+                         cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=300)
+  assert child.returncode != 0
+  assert re.search(message, child.stderr), child.stderr[-2000:]

@@ -277,3 +277,113 @@ def test_a_slice_of_a_reduced_partial_reads_its_columns_of_every_split():
   whole = SPLIT_K_HLO.replace("[32:40]", "[0:40]").replace("bf16[16,8]", "bf16[16,40]")
   assert hlo_traffic.count(whole, {0: "partial"})["program"]["by_label"]["partial"] == (
       8 * 16 * 40 * 4)
+
+
+COLLECTIVE_HLO = """HloModule m, num_partitions=8
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], bf16[64,1024])) -> (s32[], bf16[64,1024]) {
+  %p = (s32[], bf16[64,1024]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[64,1024]{1,0} get-tuple-element(%p), index=1
+  %r = bf16[64,1024]{1,0} all-reduce(%x), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%sum
+  ROOT %t = (s32[], bf16[64,1024]) tuple(%i, %r)
+}
+
+%cond (p: (s32[], bf16[64,1024])) -> pred[] {
+  %p = (s32[], bf16[64,1024]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: bf16[64,1024], y: f32[128,256]) -> (bf16[512,1024], f32[16,256], bf16[64,1024]) {
+  %x = bf16[64,1024]{1,0} parameter(0)
+  %y = f32[128,256]{1,0} parameter(1)
+  %ag = bf16[512,1024]{1,0} all-gather(%x), replica_groups=[1,8]<=[8], dimensions={0}
+  %rs = f32[16,256]{1,0} reduce-scatter(%y), replica_groups={}, dimensions={0}, to_apply=%sum
+  %cp = bf16[64,1024]{1,0} collective-permute(%x), source_target_pairs={{0,1},{1,2}}
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[64,1024]) tuple(%zero, %cp)
+  %w = (s32[], bf16[64,1024]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = bf16[64,1024]{1,0} get-tuple-element(%w), index=1
+  ROOT %t = (bf16[512,1024], f32[16,256], bf16[64,1024]) tuple(%ag, %rs, %out)
+}
+"""
+
+
+def test_collectives_count_the_bytes_each_device_sends_by_the_ring_rule():
+  """S = 64 x 1024 bf16 = 128 KiB. all-gather over 8: 7 S; reduce-scatter over all 8
+  partitions (no groups named) of 128 KiB f32: 7/8 of it; permute: S; an all-reduce over
+  groups of 4 in a loop of 3 trips: 3 x 2 x 3/4 S."""
+  s = 64 * 1024 * 2
+  out = hlo_traffic.count(COLLECTIVE_HLO)["program"]
+  assert out["collectives"] == {"all-gather": 1, "all-reduce": 3, "collective-permute": 1,
+                                "reduce-scatter": 1}
+  assert out["collective_bytes"] == {"all-gather": 7 * s, "all-reduce": 3 * 1.5 * s,
+                                     "collective-permute": s,
+                                     "reduce-scatter": 7 / 8 * 128 * 256 * 4}
+
+
+def test_dot_flops_count_fused_dots_and_loop_trips():
+  """A [8, 64] x [64, 32] product (2 x 8 x 32 x 64 FLOPs) in a fori_loop of 5 trips, plus one
+  [4, 16] x [16, 16] outside it: compiled by XLA, so the dots sit where it puts them."""
+  w, v = jnp.ones((64, 32)), jnp.ones((16, 16))
+
+  def f(x, w, y, v):
+    z = jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(x @ w) @ w.T, x)
+    return z, y @ v
+
+  out = _count(f, jnp.ones((8, 64)), w, jnp.ones((4, 16)), v)["program"]
+  assert out["dot_flops"] == 5 * 2 * (2 * 8 * 32 * 64) + 2 * 4 * 16 * 16
+
+
+CONVOLUTION_HLO = """HloModule m
+
+%fused (p0: bf16[8,64], p1: bf16[64,32]) -> bf16[8,32] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %p1 = bf16[64,32]{1,0} parameter(1)
+  ROOT %c = bf16[8,32]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+%fused_t (p0: bf16[4,3,16], p1: bf16[24,3,16]) -> bf16[4,1,24] {
+  %p0 = bf16[4,3,16]{2,1,0} parameter(0)
+  %p1 = bf16[24,3,16]{2,1,0} parameter(1)
+  ROOT %c = bf16[4,1,24]{2,1,0} convolution(%p0, %p1), window={size=3}, dim_labels=b0f_o0i->b0f
+}
+
+%fused_b (p0: f32[4,2,64,128], p1: bf16[4,32,2,128]) -> f32[4,2,64,32] {
+  %p0 = f32[4,2,64,128]{3,2,1,0} parameter(0)
+  %p1 = bf16[4,32,2,128]{3,2,1,0} parameter(1)
+  ROOT %c = f32[4,2,64,32]{3,2,1,0} convolution(%p0, %p1), window={size=4x2 stride=3x1 pad=0_0x0_0 lhs_dilate=4x2}, dim_labels=01bf_0o1i->01bf
+}
+
+ENTRY %main (x: bf16[8,64], w: bf16[64,32], y: bf16[4,3,16], v: bf16[24,3,16], a: f32[4,2,64,128], k: bf16[4,32,2,128]) -> (bf16[8,32], bf16[4,1,24], f32[4,2,64,32]) {
+  %x = bf16[8,64]{1,0} parameter(0)
+  %w = bf16[64,32]{1,0} parameter(1)
+  %y = bf16[4,3,16]{2,1,0} parameter(2)
+  %v = bf16[24,3,16]{2,1,0} parameter(3)
+  %a = f32[4,2,64,128]{3,2,1,0} parameter(4)
+  %k = bf16[4,32,2,128]{3,2,1,0} parameter(5)
+  %f = bf16[8,32]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused
+  %g = bf16[4,1,24]{2,1,0} fusion(%y, %v), kind=kOutput, calls=%fused_t
+  %h = f32[4,2,64,32]{3,2,1,0} fusion(%a, %k), kind=kOutput, calls=%fused_b
+  ROOT %t = (bf16[8,32], bf16[4,1,24], f32[4,2,64,32]) tuple(%f, %g, %h)
+}
+"""
+
+
+def test_convolutions_count_as_the_dots_they_are():
+  """The TPU compiler writes fused dots as convolutions: [8, 64] x [64, 32] (bf_io) is
+  2 x 8 x 32 x 64 FLOPs; a kernel [24 out, 3 window, 16 in] over a window of 3 is
+  2 x (4 x 24) x (3 x 16). A batched product written as windows (as the TPU compiler writes
+  attention scores: dimensions 0 and 1 of sizes 4 and 2 dilated by their window, so each
+  output sees one input of each) is 2 x (4 x 2) x 64 x 32 x 128, not 4 x 2 times that."""
+  out = hlo_traffic.count(CONVOLUTION_HLO)["program"]
+  assert out["dot_flops"] == (2 * 8 * 32 * 64 + 2 * 4 * 24 * 3 * 16
+                              + 2 * 4 * 2 * 64 * 32 * 128)

@@ -10,6 +10,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.target = ml_collections.ConfigDict(dict(
       path="",                      # Qwen3/Llama HF dir, converted checkpoint or embedded:smollm2
       dtype="float32",              # the frozen target's embedding / head / copied layers
+      numerics="default",           # "invariant": online features bitwise the stored ones
   ))
   config.generate = ml_collections.ConfigDict(dict(
       prompts=(),                   # JSONL prompt files ({"prompt": text}); --stage=data
@@ -20,12 +21,17 @@ def base_config() -> ml_collections.ConfigDict:
       max_new_tokens=256,
       prompt_buckets=(160, 384),    # prompts padded to one of these (one compile each); longer skipped
       temperature=0.0,              # 0: greedy responses
+      top_k=0,                      # online data (the decoder): 0 = off
+      top_p=1.0,                    # online data (the decoder): 1 = off
+      thinking=False,               # online data: the chat template's enable_thinking
       seed=0,
       max_minutes=0.0,              # stop between batches after this long; 0: no budget
       shard_batches=1,              # batches per shard file
   ))
   config.data = ml_collections.ConfigDict(dict(
+      features="stored",            # "online": the frozen target computes them in the step
       folders=(),                   # --stage=data outputs; "{process}" -> jax.process_index()
+      responses=(),                 # online only: responses files (.npz) instead of folders
       eval_seqs=24,                 # held-out generated sequences (by prompt uid)
       split_seed=0,                 # seed of the held-out split (keep it when resuming)
       eval_uids="",                 # JSON {eval_uids: [...]}: a fixed held-out set instead
@@ -56,6 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
       b2=0.98,
       weight_decay=0.01,
       clip_norm=1.0,
+      target_chunk=512,             # online: tokens per chunk of the target's pass
       seed=0,                       # drafter init and batch sampling
       max_minutes=0.0,              # stop (with a checkpoint) after this long; 0: no budget
       log_every=10,
@@ -73,7 +80,8 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="bfloat16",
   ))
   config.mesh = ml_collections.ConfigDict(dict(
-      data=0,                       # data-parallel devices (0: all)
+      data=0,                       # data-parallel devices (0: all / model)
+      model=1,                      # tensor-parallel devices: target, drafter, heads, AdamW
       **process_fields(),
   ))
   config.measure = ml_collections.ConfigDict(dict(

@@ -1,4 +1,5 @@
 """Compile-only NVIDIA GPUs: XLA's GPU compiler builds for a GPU it is described, no GPU needed.
+(`topology_devices` also gives compile-only TPU topologies, through libtpu, and the host CPU.)
 
 `jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)` takes a
 GpuTargetConfig text proto. This module writes one from each GPU's published figures (NVIDIA's
@@ -97,3 +98,26 @@ def devices(topology: str) -> list:
   from jax.experimental import topologies
   return list(topologies.get_topology_desc(platform="cuda", target_config=target_config(gpu),
                                            topology=f"1x1x{count}").devices)
+
+
+def topology_devices(name: str) -> list:
+  """Compile-only devices of a TPU topology (libtpu's compiler) or of NVIDIA GPUs ('h100',
+  'h100:8'), or the CPU backend's devices for 'cpu'."""
+  import jax
+  if name == "cpu":
+    return jax.devices("cpu")
+  if parse(name):
+    return devices(name)
+  try:
+    import libtpu  # noqa: F401  (jax finds the TPU compiler through this package)
+  except ImportError as e:
+    raise ValueError(f"--topology={name} needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" "
+                     "(no TPU needed; a separate venv keeps it away from other JAX processes)"
+                     ) from e
+  from jax.experimental import topologies
+  try:
+    return list(topologies.get_topology_desc(name, "tpu").devices)
+  except Exception as e:  # libtpu's messages do not name the valid choices
+    raise ValueError(f"unknown TPU topology {name!r} ({type(e).__name__}: {e}); use "
+                     "<generation>:<chips>, e.g. v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1, a GPU "
+                     f"({', '.join(GPUS)}, e.g. h100 or h100:8), or 'cpu'") from e

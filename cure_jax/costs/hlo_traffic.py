@@ -36,6 +36,17 @@ On a GPU, also: a cuBLAS call's 1-D s8 workspace result is scratch, not counted;
 (50 MB on an H100) is not modelled, so a re-read counts again (an upper bound); a Pallas Triton
 kernel's operands count whole (gpu_attention reads only the cache's filled part: upper bound).
 
+FLOPs: 2 x the result's elements x the contracted elements of every dot and convolution (the
+TPU compiler's form of a fused dot: its kernel's elements per output feature), at the top level
+and inside fusions, loops times their trips (Pallas kernels and other custom calls are not seen:
+their FLOPs are not counted).
+
+Collectives also count the bytes each device sends (COLLECTIVE_RULE): a ring algorithm over a
+group of n devices, with S an operand's bytes, moves 2 (n - 1) / n S for an all-reduce,
+(n - 1) S for an all-gather (S: each device's piece), (n - 1) / n S for a reduce-scatter and an
+all-to-all, and S for a collective-permute or broadcast. n is the size of the op's replica
+groups (all partitions when it names none).
+
 Kernels and host launches per iteration on a GPU come from XLA's thunk sequence instead
 (cure_jax/costs/launches.py): command buffers (CUDA graphs) are formed after the HLO passes.
 """
@@ -46,12 +57,13 @@ import collections
 import dataclasses
 import re
 
+import numpy as np
+
+from cure_jax.costs.hlo_text import (DTYPE_BYTES, Array, Computation, Instr, parse_module)
+from cure_jax.costs.hlo_text import arrays as _arrays, called as _called
+from cure_jax.costs.hlo_text import op_name as _op_name, trip_count as _trip_count
 from cure_jax.models.kernels import gpu_grouped
 
-DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
-               "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8,
-               "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
-               "f8e4m3b11fnuz": 1, "f8e4m3": 1, "f8e3m4": 1, "token": 0}
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "ragged-all-to-all")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -63,165 +75,14 @@ _SLICING = {"dynamic-slice", "slice", "gather"}
 _PER_ELEMENT = {"convert", "reduce", "negate", "exponential", "sqrt", "rsqrt", "tanh", "logistic"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}   # opcode -> operand index of the update
 _GROUPED = re.compile(gpu_grouped.NAME + r"(\d+)x(\d+)")
+COLLECTIVE_RULE = ("bytes a device sends, ring algorithms over groups of n: all-reduce "
+                   "2(n-1)/n S, all-gather (n-1) S, reduce-scatter and all-to-all (n-1)/n S, "
+                   "permute and broadcast S (S: operand bytes)")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _PALLAS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
 ACTIVATION = "activation"
-
-
-@dataclasses.dataclass(frozen=True)
-class Array:
-  dtype: str
-  dims: tuple[int, ...]
-  on_chip: bool                                   # memory space S(n), n > 0
-
-  @property
-  def bytes(self) -> float:
-    n = 1
-    for d in self.dims:
-      n *= d
-    return n * DTYPE_BYTES.get(self.dtype, 4)
-
-
-@dataclasses.dataclass
-class Instr:
-  name: str
-  shape: object                                   # Array or list (tuple shape)
-  opcode: str
-  operands: list[str]
-  attrs: str
-  root: bool
-
-
-@dataclasses.dataclass
-class Computation:
-  name: str
-  instrs: list[Instr]
-  entry: bool
-
-  def __post_init__(self):
-    self.by_name = {i.name: i for i in self.instrs}
-    self.params = {int(re.search(r"\d+", i.attrs).group()): i for i in self.instrs
-                   if i.opcode == "parameter"}
-    self.root = next(i for i in self.instrs if i.root)
-    self.users = collections.defaultdict(list)
-    for i in self.instrs:
-      for o in i.operands:
-        self.users[o].append(i)
-
-
-def _matching(text: str, start: int, open_: str, close: str) -> int:
-  """Index just past the bracket closing text[start] (an open_), skipping nested pairs."""
-  depth = 0
-  for i in range(start, len(text)):
-    if text[i] == open_:
-      depth += 1
-    elif text[i] == close:
-      depth -= 1
-      if depth == 0:
-        return i + 1
-  raise ValueError(f"unbalanced {open_}{close} in HLO: {text[start:start + 80]}")
-
-
-def _split_top(text: str) -> list[str]:
-  """Splits a tuple shape's inside at commas outside brackets."""
-  parts, depth, cur = [], 0, []
-  for ch in text:
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-    if ch == "," and depth == 0:
-      parts.append("".join(cur))
-      cur = []
-    else:
-      cur.append(ch)
-  parts.append("".join(cur))
-  return [p.strip() for p in parts if p.strip()]
-
-
-def parse_shape(text: str):
-  """'bf16[4,8]{1,0:T(8,128)S(1)}' -> Array; '(a, b)' -> [Array | list, ...]."""
-  text = re.sub(r"/\*.*?\*/", "", text).strip()
-  if text.startswith("("):
-    return [parse_shape(p) for p in _split_top(text[1:-1])]
-  m = re.match(r"([a-z0-9]+)\[([^\]]*)\](\{[^}]*\})?", text)
-  if not m:
-    raise ValueError(f"cannot read HLO shape {text[:80]!r}")
-  dims = tuple(int(d.lstrip("<=")) for d in m.group(2).split(",") if d.strip())
-  space = re.search(r"S\((\d+)\)", m.group(3) or "")
-  return Array(m.group(1), dims, bool(space and int(space.group(1)) > 0))
-
-
-def _read_shape(text: str, pos: int) -> int:
-  """End index of the shape starting at text[pos]."""
-  if text[pos] == "(":
-    return _matching(text, pos, "(", ")")
-  end = text.index("]", pos) + 1
-  if end < len(text) and text[end] == "{":
-    end = _matching(text, end, "{", "}")
-  return end
-
-
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%([^\s=]+)\s*=\s*")
-_HEADER = re.compile(r"^(ENTRY\s+)?%(\S+)\s")
-
-
-def parse_module(text: str) -> dict[str, Computation]:
-  """Computations of an HLO module's text by name; the entry is under key ''."""
-  comps, current, instrs, entry = {}, None, [], False
-  for line in text.splitlines():
-    if current is None:
-      m = _HEADER.match(line)
-      if m and line.rstrip().endswith("{"):
-        current, instrs, entry = m.group(2), [], bool(m.group(1))
-      continue
-    if line.startswith("}"):
-      comp = Computation(current, instrs, entry)
-      comps[current] = comp
-      if entry:
-        comps[""] = comp
-      current = None
-      continue
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    pos = m.end()
-    end = _read_shape(line, pos)
-    shape = parse_shape(line[pos:end])
-    op = re.match(r"\s*([a-z][a-z0-9\-]*)\(", line[end:])
-    if not op:
-      raise ValueError(f"cannot read HLO instruction {line[:120]!r}")
-    args_start = end + op.end() - 1
-    args_end = _matching(line, args_start, "(", ")")
-    operands = re.findall(r"%([^\s,()]+)", line[args_start:args_end])
-    attrs = line[args_start + 1:args_end - 1] if op.group(1) == "parameter" else line[args_end:]
-    instrs.append(Instr(m.group(2), shape, op.group(1), operands, attrs, bool(m.group(1))))
-  if "" not in comps:
-    raise ValueError("no ENTRY computation in this HLO text")
-  return comps
-
-
-def _arrays(shape) -> list[Array]:
-  if isinstance(shape, Array):
-    return [shape]
-  return [a for s in shape for a in _arrays(s)]
-
-
-def _called(attrs: str, key: str) -> list[str]:
-  m = re.search(key + r"=\{([^}]*)\}", attrs)
-  if m:
-    return re.findall(r"%([^\s,]+)", m.group(1))
-  m = re.search(key + r"=%([^\s,]+)", attrs)
-  return [m.group(1)] if m else []
-
-
-def _op_name(attrs: str) -> str:
-  m = re.search(r'op_name="([^"]*)"', attrs)
-  return m.group(1) if m else ""
-
-
-def _trip_count(attrs: str) -> int | None:
-  m = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
-  return int(m.group(1)) if m else None
 
 
 @dataclasses.dataclass
@@ -235,6 +96,8 @@ class Traffic:
   fusions: int = 0
   kernels: int = 0                  # Pallas kernels: Mosaic TPU (tpu_custom_call), Triton on GPUs
   collectives: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  collective_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  dot_flops: float = 0.0
   unknown_trips: int = 0
   unknown_trip_bytes: float = 0.0
   ops: list = dataclasses.field(default_factory=list)    # (HBM bytes, name, opcode, op_name)
@@ -244,7 +107,10 @@ class Traffic:
       self.hbm[k] += v * times
     for k, v in other.collectives.items():
       self.collectives[k] += v * times
+    for k, v in other.collective_bytes.items():
+      self.collective_bytes[k] += v * times
     self.on_chip += other.on_chip * times
+    self.dot_flops += other.dot_flops * times
     self.fusions += other.fusions * times
     self.kernels += other.kernels * times
     self.unknown_trips += other.unknown_trips
@@ -266,6 +132,8 @@ class Traffic:
                 on_chip_bytes_skipped=self.on_chip, fusions=self.fusions,
                 kernels=self.kernels,
                 collectives=dict(sorted(self.collectives.items())),
+                collective_bytes={k: float(v) for k, v in sorted(self.collective_bytes.items())},
+                dot_flops=self.dot_flops,
                 nested_loops_without_trip_count=self.unknown_trips,
                 nested_loop_iteration_bytes=self.unknown_trip_bytes,
                 by_op={k: float(v) for k, v in by_op.most_common(top)},
@@ -273,11 +141,42 @@ class Traffic:
                          for b, n, o, m in largest])
 
 
+def _window(attrs: str, key: str, n: int, default: str) -> list[str]:
+  m = re.search(r"\b" + key + r"=([\dx_\-]+)", attrs)
+  return m.group(1).split("x") if m else [default] * n
+
+
+def _convolution_flops(ins: Instr, comp: Computation) -> float:
+  """2 x batch x output features x input features x, per spatial dimension, the (output,
+  window) position pairs that land on a real input element (not padding, not a dilation hole).
+  The TPU compiler writes dots as convolutions whose batch-like dimensions are windows that
+  padding and dilation reduce to one tap, so counting the window's size would overcount."""
+  lhs, rhs = (_arrays(comp.by_name[o].shape)[0].dims for o in ins.operands[:2])
+  out = _arrays(ins.shape)[0].dims
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs).groups()
+  spatial = sorted(c for c in labels[0] if c.isdigit())
+  n = len(spatial)
+  size = _window(ins.attrs, "size", n, "1")
+  stride, lhs_dil = _window(ins.attrs, "stride", n, "1"), _window(ins.attrs, "lhs_dilate", n, "1")
+  rhs_dil, pad = _window(ins.attrs, "rhs_dilate", n, "1"), _window(ins.attrs, "pad", n, "0_0")
+  taps = 1
+  for d, c in enumerate(spatial):
+    length, window = lhs[labels[0].index(c)], int(size[d])
+    o = np.arange(out[labels[2].index(c)])[:, None]
+    x = (o * int(stride[d]) + np.arange(window)[None] * int(rhs_dil[d])
+         - int(pad[d].split("_")[0]))                       # dilated input index of each pair
+    step = int(lhs_dil[d])
+    taps *= int(np.sum((x >= 0) & (x <= (length - 1) * step) & (x % step == 0)))
+  return (2.0 * out[labels[2].index("b")] * out[labels[2].index("f")]
+          * rhs[labels[1].index("i")] * taps)
+
+
 class _Counter:
   """Walks control computations, propagating buffer labels from the entry parameters."""
 
-  def __init__(self, comps: dict[str, Computation]):
+  def __init__(self, comps: dict[str, Computation], partitions: int = 1):
     self.comps = comps
+    self.partitions = partitions                             # devices of an unnamed group
     self.loops: list[tuple[str, int | None, Traffic]] = []   # the entry's while loops
 
   def _fusion_bytes(self, ins: Instr, comp: Computation, labels) -> list[tuple[str, float]]:
@@ -380,7 +279,7 @@ class _Counter:
         cond = self.comps[_called(ins.attrs, "condition")[0]]
         inner, out = self.walk(body, {0: srcs[0]})
         inner.add(self.walk(cond, {0: srcs[0]})[0])
-        trips = _trip_count(ins.attrs)
+        trips = _trip_count(ins, comp, self.comps)
         if comp.entry:
           self.loops.append((ins.name, trips, inner))
         if trips is None and not comp.entry:
@@ -406,8 +305,10 @@ class _Counter:
       kind = op[:-len("-start")] if op.endswith("-start") else op
       if kind in COLLECTIVES:
         t.collectives[kind] += 1
+        t.collective_bytes[kind] += self._sent(ins, comp, kind)
       if op == "custom-call" and _PALLAS.search(ins.attrs):
         t.kernels += 1
+      t.dot_flops += self._dot_flops(ins, comp)
       if op == "fusion":
         t.fusions += 1
         moved = self._fusion_bytes(ins, comp, labels)
@@ -427,6 +328,35 @@ class _Counter:
       else:
         labels.setdefault(ins.name, ACTIVATION)
     return t, labels.get(comp.root.name, ACTIVATION)
+
+  def _dot_flops(self, ins: Instr, comp: Computation) -> float:
+    """2 x result elements x contracted elements of a dot or convolution, or of those a fusion
+    holds."""
+    if ins.opcode == "fusion":
+      fused = self.comps[_called(ins.attrs, "calls")[0]]
+      return sum(self._dot_flops(i, fused) for i in fused.instrs)
+    elements = sum(a.bytes / DTYPE_BYTES.get(a.dtype, 4) for a in _arrays(ins.shape))
+    if ins.opcode == "convolution":
+      return _convolution_flops(ins, comp)
+    if ins.opcode != "dot":
+      return 0.0
+    lhs = _arrays(comp.by_name[ins.operands[0]].shape)[0].dims
+    contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    k = 1
+    for d in (contracted.group(1).split(",") if contracted and contracted.group(1) else []):
+      k *= lhs[int(d)]
+    return 2.0 * k * elements
+
+  def _sent(self, ins: Instr, comp: Computation, kind: str) -> float:
+    """Bytes one device sends for a collective (COLLECTIVE_RULE)."""
+    size = sum(a.bytes for o in ins.operands for a in _arrays(comp.by_name[o].shape))
+    iota, listed = _GROUPS_IOTA.search(ins.attrs), _GROUPS_LIST.search(ins.attrs)
+    n = (int(iota.group(2)) if iota else len(listed.group(1).split(",")) if listed
+         and listed.group(1) else self.partitions)
+    if kind in ("collective-permute", "collective-broadcast"):
+      return size
+    share = {"all-reduce": 2 * (n - 1) / n, "all-gather": n - 1}.get(kind, (n - 1) / n)
+    return share * size
 
   def _in_place_operand(self, ins: Instr) -> int | None:
     """The operand a fusion updates in place (its root a dynamic-update-slice / scatter of a
@@ -486,7 +416,8 @@ def count(hlo_text: str, param_labels: dict[int, str] | None = None) -> dict:
   comps = parse_module(hlo_text)
   entry = comps[""]
   labels = {k: (param_labels or {}).get(k, "input") for k in entry.params}
-  counter = _Counter(comps)
+  partitions = _PARTITIONS.search(hlo_text.split("\n", 1)[0])
+  counter = _Counter(comps, int(partitions.group(1)) if partitions else 1)
   total, _ = counter.walk(entry, labels)
   outside = Traffic()
   outside.add(total)

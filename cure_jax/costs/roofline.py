@@ -20,6 +20,17 @@ DEVICES = {
     "B200": (8000, 2250, "nvidia.com/en-us/data-center/dgx-b200 (per GPU, dense)"),
 }
 GPUS = ("A100", "H100", "H200", "B200")
+# Interconnect bytes a chip sends per second, one direction (GB/s, source): TPU ICI per chip,
+# NVLink per GPU (half the bidirectional figure NVIDIA quotes).
+INTERCONNECT = {
+    "v5e": (200, "cloud.google.com/tpu/docs/v5e: 1,600 Gbps ICI per chip"),
+    "v6e": (448, "cloud.google.com/tpu/docs/v6e: 3,584 Gbps ICI per chip"),
+    "v5p": (600, "cloud.google.com/tpu/docs/v5p: 4,800 Gbps ICI per chip"),
+    "A100": (300, "NVLink 3: 600 GB/s bidirectional"),
+    "H100": (450, "NVLink 4: 900 GB/s bidirectional"),
+    "H200": (450, "NVLink 4: 900 GB/s bidirectional"),
+    "B200": (900, "NVLink 5: 1.8 TB/s bidirectional"),
+}
 LAUNCH_US = 4.0  # host cost of one launch (a kernel or a CUDA graph), µs: an assumption
 # HumanEval, Qwen3-8B, greedy (the paper): τ and speedup over target AR.
 PAPER_TAU = {"ar": 1.0, "chain": 7.165, "cure": 7.641}
@@ -31,6 +42,26 @@ SHARES = {"weights": ("target_weights", "target_head"), "drafter": ("drafter_wei
 def iteration_ms(bytes_: float, flops: float, device: str) -> float:
   bw, peak, _ = DEVICES[device.split(" ")[0]]
   return 1000 * max(bytes_ / (bw * 1e9), flops / (peak * 1e12))
+
+
+def device_named(topology: str) -> str:
+  """The DEVICES key of a topology name (v5e:4x4 -> v5e, h100:8 -> H100)."""
+  gen = topology.split(":")[0]
+  found = [k for k in DEVICES if k.lower() == gen.lower()]
+  if not found:
+    raise ValueError(f"no public figures for {topology!r}; known: {sorted(DEVICES)}")
+  return found[0]
+
+
+def step_seconds(flops: float, hbm_bytes: float, collective_bytes: float, device: str) -> dict:
+  """A step's projected time per chip: the largest of its FLOPs at the bf16 peak, its HBM
+  traffic at the bandwidth and the bytes it sends at the interconnect's bandwidth (each part
+  alone is a floor; perfect overlap), and serial_s, their sum (no overlap at all)."""
+  bw, peak, _ = DEVICES[device]
+  parts = dict(flop_s=flops / (peak * 1e12), hbm_s=hbm_bytes / (bw * 1e9),
+               collective_s=collective_bytes / (INTERCONNECT[device][0] * 1e9))
+  return dict(parts, step_s=max(parts.values()), bound=max(parts, key=parts.get),
+              serial_s=sum(parts.values()))
 
 
 def device_of(meta: dict) -> str:

@@ -127,7 +127,7 @@ class DecoderLayer(nnx.Module):
 
 
 class Output(NamedTuple):
-  hidden: jax.Array           # [B, T, H] after the final norm
+  hidden: jax.Array | None    # [B, T, H] after the final norm (None: a shallower `depth`)
   k: tuple[jax.Array, ...]    # L x [B, T, KVH, D] keys of the new tokens (not yet committed);
                               # for a prompt chunk, L x [B, KVH, S, D] the caches it wrote
   v: tuple[jax.Array, ...]    # as k
@@ -176,28 +176,34 @@ class Qwen3(nnx.Module):
     spec = "...h,nh->...n" if self.cfg.tie_embeddings else "...h,hn->...n"
     return einsum_f32(spec, hidden, w)
 
-  def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = ()):
+  def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = (),
+               depth: int | None = None):
     """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens], or a
     Prefix when the tokens are a prompt chunk (chunked prefill): then the output's k and v are
     the cache's layers with the chunk written in (`cache.replace(k=.., v=..).advance(count)`).
 
     feature_layers uses the transformers `hidden_states` index: 0 is the embedding output, i the
-    output of layer i, and num_layers the final normed output.
+    output of layer i, and num_layers the final normed output. depth < num_layers runs the first
+    `depth` layers only (features up to hidden_states[depth]; no final hidden state, and the
+    cache needs only those layers).
     """
     with numerics.mode(self.numerics):
-      return self._forward(tokens, positions, cache, mask, feature_layers)
+      return self._forward(tokens, positions, cache, mask, feature_layers,
+                           self.cfg.num_layers if depth is None else depth)
 
-  def _forward(self, tokens, positions, cache: KVCache, mask, feature_layers):
+  def _forward(self, tokens, positions, cache: KVCache, mask, feature_layers, depth: int):
     x = self.embed(tokens)
     states = {0: x}
     ks, vs = [], []
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(self.layers[:depth]):
       x, (k, v) = layer(x, positions, cache.k[i], cache.v[i], mask)
       ks.append(k)
       vs.append(v)
       states[i + 1] = x
-    hidden = self.norm(x)
-    states[self.cfg.num_layers] = hidden
+    hidden = None
+    if depth == self.cfg.num_layers:
+      hidden = self.norm(x)
+      states[depth] = hidden
     features = (jnp.concatenate([states[i] for i in feature_layers], axis=-1)
                 if feature_layers else None)
     return Output(hidden, tuple(ks), tuple(vs), features)

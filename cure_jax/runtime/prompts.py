@@ -63,8 +63,10 @@ def with_context(row: dict, context: list[dict], tokenizer, tokens: int) -> dict
   return dict(row, prompt="".join(parts) + row["prompt"], context_problems=len(parts))
 
 
-def encode(rows: list[dict], tokenizer, chat_template: bool, vocab_size: int) -> list[list[int]]:
-  """Token ids per row; text goes through the chat template (thinking off) when there is one."""
+def encode(rows: list[dict], tokenizer, chat_template: bool, vocab_size: int,
+           thinking: bool = False) -> list[list[int]]:
+  """Token ids per row; text goes through the chat template (thinking off unless asked) when
+  there is one."""
   out = []
   for row in rows:
     if "prompt_ids" in row:
@@ -76,7 +78,7 @@ def encode(rows: list[dict], tokenizer, chat_template: bool, vocab_size: int) ->
       if chat_template and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                             add_generation_prompt=True, tokenize=True,
-                                            enable_thinking=False)
+                                            enable_thinking=thinking)
         ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
       else:
         ids = tokenizer(row["prompt"])["input_ids"]

@@ -1,6 +1,7 @@
 """The recipe's batches from stored drafter data (`data`): sequences split by prompt uid into
 training and held-out, anchors drawn inside the answers, the target's greedy labels and padded
-batch arrays.
+batch arrays. A batch carries the stored features [B, T, F] of its sequences, or, for online
+features (training/features.py), their tokens [B, T] and lengths [B].
 
 Multi-host: every process loads its own data folders and builds its rows of each global batch;
 what every process must agree on (the padded context length, the number of evaluation batches,
@@ -41,6 +42,7 @@ class Data:
                text_weight: float = 1.0, len_bucket: int = 128):
     self.meta = shards.meta
     self.tokens, self.features, self.greedy = shards.tokens, shards.features, shards.greedy
+    self.online = shards.features is None
     self.starts, self.ends = shards.starts, shards.ends
     self.prompt_lens, self.uids, self.generated = shards.prompt_lens, shards.uids, shards.generated
     self.len_bucket = len_bucket
@@ -63,9 +65,11 @@ class Data:
 
   def summary(self) -> str:
     cont = self.ends - self.starts - self.prompt_lens
+    features = ("online" if self.online
+                else f"{self.features.shape} {self.features.dtype}")
     return (f"{len(self.starts)} sequences ({int(self.generated.sum())} generated), "
-            f"{len(self.tokens)} tokens ({int(cont.sum())} answer); features "
-            f"{self.features.shape} {self.features.dtype}; held out {len(self.eval_idx)}")
+            f"{len(self.tokens)} tokens ({int(cont.sum())} answer); features {features}; held "
+            f"out {len(self.eval_idx)}")
 
   def label_counts(self, vocab: int) -> np.ndarray:
     """How often each id is an answer label in the training sequences (all processes')."""
@@ -96,7 +100,9 @@ class Data:
               t: int):
     """Batch arrays of b rows: rows (sequence, <= a anchors) first; missing anchors and rows
     are masked out."""
-    feats = np.zeros((b, t, self.features.shape[1]), self.features.dtype)  # [B, T, F]
+    context = (dict(tokens=np.zeros((b, t), np.int32), lengths=np.ones((b,), np.int32))
+               if self.online else                                         # [B, T], [B]
+               dict(features=np.zeros((b, t, self.features.shape[1]), self.features.dtype)))
     blocks = np.full((b, a, k), mask_id, np.int32)                         # [B, A, K]
     anchors = np.zeros((b, a), np.int32)                                   # [B, A]
     labels = np.zeros((b, a, k - 1), np.int32)                             # [B, A, K-1]
@@ -105,13 +111,16 @@ class Data:
     for r, (i, pos) in enumerate(rows):
       s, e = self.starts[i], self.ends[i]
       m = len(pos)
-      feats[r, :e - s] = self.features[s:e]
+      if self.online:
+        context["tokens"][r, :e - s], context["lengths"][r] = self.tokens[s:e], e - s
+      else:
+        context["features"][r, :e - s] = self.features[s:e]
       anchors[r, :m] = pos
       blocks[r, :m, 0] = self.tokens[s:e][pos]
       labels[r, :m], label_mask[r, :m] = self.labels(i, pos, k)
       anchor_mask[r, :m] = True
-    return dict(features=feats, blocks=blocks, anchors=anchors, labels=labels,
-                label_mask=label_mask, anchor_mask=anchor_mask)
+    return dict(context, blocks=blocks, anchors=anchors, labels=labels, label_mask=label_mask,
+                anchor_mask=anchor_mask)
 
   def train_batch(self, rows: int, a: int, k: int, mask_id: int, prompt_frac: float, rng):
     """This process's rows of a training batch: `a` anchors per sequence inside the answer (a
@@ -146,14 +155,20 @@ class Data:
 def load_data(config) -> Data:
   """The data of config.data (folders may hold `{process}`: each host reads its own)."""
   d = config.data
-  folders = [f.format(process=jax.process_index()) for f in d.folders]
+  online = d.features == "online"
+  where = lambda paths: [f.format(process=jax.process_index()) for f in paths]  # noqa: E731
+  if d.responses:
+    shards = drafter_data.load_responses(where(d.responses))
+  else:
+    shards = drafter_data.load_shards(where(d.folders), features=not online)
   eval_uids = json.loads(Path(d.eval_uids).read_text())["eval_uids"] if d.eval_uids else None
-  return Data(drafter_data.load_shards(folders), d.eval_seqs, d.split_seed, eval_uids,
-              d.text_weight, d.len_bucket)
+  return Data(shards, d.eval_seqs, d.split_seed, eval_uids, d.text_weight, d.len_bucket)
 
 
 def check_data(data: Data, config, target_cfg) -> None:
-  """The data must come from this target with the config's feature layers."""
+  """The data must come from this target with the config's feature layers (stored features)."""
+  if data.online:
+    return
   meta, ids = data.meta, list(config.model.target_layer_ids)
   if list(meta["target_layer_ids"]) != ids:
     raise ValueError(f"data {list(config.data.folders)} holds features of target_layer_ids "

@@ -12,6 +12,9 @@ mode) and `shard_NNNN.npz` with sequences back to back: tokens [N], offsets [S +
 prompt_lens [S], uids [S], stopped [S], features [N, F] (bfloat16 stored as its uint16 bits),
 greedy [N] (the target's argmax after each token: the label source).
 
+A folder written for online training (the target recomputes features inside the training step,
+training/features.py) holds no features: meta feature_dtype "none".
+
 Features take ~5.8 KB per token (bf16, SmolLM2's 5 x 576): too large to keep anywhere but the
 data folder. The responses themselves are small: `write_responses` stores the tokens of every
 sequence in one compressed file that can be committed, and `rebuild` recomputes the features and
@@ -38,6 +41,7 @@ import numpy as np
 from cure_jax.runtime import pipeline, prompts as prompts_lib
 
 FEATURE_DTYPE = "bfloat16"
+NO_FEATURES = "none"      # meta feature_dtype of a tokens-only folder
 _META_KEYS = ("target_layer_ids", "feature_layers", "hidden")
 
 
@@ -45,7 +49,7 @@ _META_KEYS = ("target_layer_ids", "feature_layers", "hidden")
 class Shards:
   """Every sequence of one or more data folders, back to back."""
   tokens: np.ndarray       # [N] int32
-  features: np.ndarray     # [N, F] bfloat16
+  features: np.ndarray | None  # [N, F] bfloat16; None: online features (tokens only)
   greedy: np.ndarray       # [N] int32: target argmax after token t
   starts: np.ndarray       # [S] int64
   ends: np.ndarray         # [S] int64
@@ -70,22 +74,26 @@ def prompt_uid(row: dict) -> int:
 # ----------------------------------------------------------------------------------------------
 
 def save_shard(folder: str | Path, index: int, seqs: list[dict]) -> Path:
-  """Writes sequences (dicts: uid, ids, prompt_len, stopped, features [n, F], greedy [n]) as
-  shard `index`, atomically."""
+  """Writes sequences (dicts: uid, ids, prompt_len, stopped, greedy [n] and, unless the folder
+  is tokens-only, features [n, F]) as shard `index`, atomically."""
   lens = [len(s["ids"]) for s in seqs]
+  stored = "features" in seqs[0]
   for s, n in zip(seqs, lens):
-    if len(s["features"]) != n or len(s["greedy"]) != n:
-      raise ValueError(f"sequence {s['uid']}: {n} tokens but {len(s['features'])} feature rows "
+    rows = len(s["features"]) if stored else n
+    if rows != n or len(s["greedy"]) != n:
+      raise ValueError(f"sequence {s['uid']}: {n} tokens but {rows} feature rows "
                        f"and {len(s['greedy'])} labels")
-  features = np.concatenate([np.asarray(s["features"]) for s in seqs]).astype(ml_dtypes.bfloat16)
+  arrays = {}
+  if stored:
+    features = np.concatenate([np.asarray(s["features"]) for s in seqs])
+    arrays["features"] = features.astype(ml_dtypes.bfloat16).view(np.uint16)
   buf = io.BytesIO()
   np.savez(buf, tokens=np.concatenate([np.asarray(s["ids"], np.int32) for s in seqs]),
            offsets=np.cumsum([0] + lens).astype(np.int64),
            prompt_lens=np.array([s["prompt_len"] for s in seqs], np.int32),
            uids=np.array([s["uid"] for s in seqs], np.int64),
            stopped=np.array([s["stopped"] for s in seqs], bool),
-           features=features.view(np.uint16),
-           greedy=np.concatenate([np.asarray(s["greedy"], np.int32) for s in seqs]))
+           greedy=np.concatenate([np.asarray(s["greedy"], np.int32) for s in seqs]), **arrays)
   path = Path(folder) / f"shard_{index:04d}.npz"
   pipeline.write_atomic(path, buf.getvalue())
   return path
@@ -109,7 +117,7 @@ def write_meta(folder: str | Path, meta: dict) -> None:
   folder = Path(folder)
   if (folder / "meta.json").is_file() and _shard_paths(folder):
     old = read_meta(folder)
-    for key in _META_KEYS:
+    for key in _META_KEYS + ("feature_dtype",):
       if old.get(key) != meta.get(key):
         raise ValueError(f"{folder} holds shards with {key}={old.get(key)}, not {meta.get(key)}; "
                          "use another data folder or delete those shards")
@@ -126,8 +134,9 @@ def done_uids(folder: str | Path) -> tuple[set[int], int]:
   return uids, nxt
 
 
-def load_shards(folders: list[str] | str) -> Shards:
-  """Every shard of the folders in memory; all folders must hold the same target features."""
+def load_shards(folders: list[str] | str, features: bool = True) -> Shards:
+  """Every shard of the folders in memory; all folders must hold the same target features.
+  features=False (online training) reads tokens and labels only, of any folder."""
   folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
   if not folders:
     raise ValueError("no data folders given")
@@ -141,12 +150,16 @@ def load_shards(folders: list[str] | str) -> Shards:
       if m.get(key) != meta.get(key):
         raise ValueError(f"{folder} has {key}={m.get(key)} but {folders[0]} has "
                          f"{meta.get(key)}: train on folders written for the same drafter")
-    if m.get("feature_dtype") != FEATURE_DTYPE:
+    if features and m.get("feature_dtype") == NO_FEATURES:
+      raise ValueError(f"{folder} holds tokens only (written for online training): train on it "
+                       "with --config.data.features=online")
+    if features and m.get("feature_dtype") != FEATURE_DTYPE:
       raise ValueError(f"{folder} stores features as {m.get('feature_dtype')}, not "
                        f"{FEATURE_DTYPE}: regenerate it (--stage=data or --stage=rebuild)")
     for path in _shard_paths(Path(folder)):
       with np.load(path) as z:
-        parts["features"].append(z["features"].view(ml_dtypes.bfloat16))
+        if features:
+          parts["features"].append(z["features"].view(ml_dtypes.bfloat16))
         parts["tokens"].append(z["tokens"])
         parts["greedy"].append(z["greedy"])
         parts["starts"].append(z["offsets"][:-1] + base)
@@ -158,9 +171,34 @@ def load_shards(folders: list[str] | str) -> Shards:
   if not parts["tokens"]:
     raise FileNotFoundError(f"no shard_*.npz in {folders}; generate data first "
                             "(`python -m experiments.train_drafter --stage=data`)")
-  cat = {k: np.concatenate(v) for k, v in parts.items()}
+  cat = {k: np.concatenate(v) if v else None for k, v in parts.items()}
   starts = cat.pop("starts")
   return Shards(starts=starts, ends=np.append(starts[1:], len(cat["tokens"])), meta=meta, **cat)
+
+
+def load_responses(paths: list[str] | str) -> Shards:
+  """The sequences of responses files (write_responses) for online training: tokens only, each
+  token labelled with the next one (the target's own choice: its argmax when the responses are
+  greedy, a sample of its distribution when sampled)."""
+  paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+  parts, meta = {k: [] for k in ("tokens", "lengths", "prompt_lens", "uids", "stopped")}, None
+  for path in paths:
+    if not Path(path).is_file():
+      raise FileNotFoundError(f"no responses file {path} (write one with --stage=data and "
+                              "--config.generate.responses)")
+    with np.load(path) as z:
+      meta = meta or json.loads(z["meta"].tobytes())
+      for key in parts:
+        parts[key].append(z[key])
+  cat = {k: np.concatenate(v) for k, v in parts.items()}
+  starts = np.concatenate([[0], np.cumsum(cat["lengths"])[:-1]]).astype(np.int64)
+  tokens = cat["tokens"].astype(np.int32)
+  greedy = np.append(tokens[1:], 0).astype(np.int32)
+  greedy[starts[1:] - 1] = 0                   # a sequence's last token has no label
+  return Shards(tokens=tokens, features=None, greedy=greedy, starts=starts,
+                ends=starts + cat["lengths"], prompt_lens=cat["prompt_lens"], uids=cat["uids"],
+                stopped=cat["stopped"], generated=np.ones(len(starts), bool),
+                meta={**meta, "feature_dtype": NO_FEATURES})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,12 +9,16 @@ position-decayed weights w_k = exp(-(k-1)/gamma). Many anchors share one sequenc
 K/V are projected once and each block sees them under its own context-length mask. The target's
 embedding and head are frozen; the training head may be restricted to the most frequent label
 ids (remap; the exported drafter uses the full head).
+
+The context features come stored in the batch, or (`Online`) from the frozen target run over the
+batch's tokens inside the step (training/features.py), outside the differentiated function.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +28,25 @@ from flax import nnx
 
 from cure_jax.models.dflash import DFlash
 from cure_jax.models.layers import attend, einsum_f32
+from cure_jax.training.features import target_features
+
+
+@dataclasses.dataclass(frozen=True)
+class Online:
+  """Features computed in the step: the frozen target's graphdef (its parameters are an
+  argument), the hidden_states indices and the chunk each sequence is read in."""
+  graphdef: Any
+  feature_layers: tuple[int, ...]
+  chunk: int
+
+
+def context_features(online: Online | None, target_params, batch):
+  """Features [B, T, F] of the batch's context: stored, or computed by the frozen target."""
+  if online is None:
+    return batch["features"]
+  target = nnx.merge(online.graphdef, target_params)
+  return target_features(target, batch["tokens"], batch["lengths"], online.feature_layers,
+                         online.chunk)
 
 
 def train_forward(drafter: DFlash, embed, features, blocks, anchors):
@@ -94,10 +117,10 @@ def position_weights(k: int, gamma: float, n: int) -> np.ndarray:
   return np.exp(-np.arange(min(n, k - 1), dtype=np.float32) / gamma)
 
 
-def loss_fn(drafter, embed, head, remap, batch, weights):
+def loss_fn(drafter, embed, head, remap, features, batch, weights):
   """Weighted CE over the first len(weights) block positions; labels outside the training
   head's ids (remap -1) do not count."""
-  hidden = train_forward(drafter, embed, batch["features"], batch["blocks"], batch["anchors"])
+  hidden = train_forward(drafter, embed, features, batch["blocks"], batch["anchors"])
   n = weights.shape[0]
   logits = block_logits(drafter, hidden[:, :, 1:1 + n], head)           # [B, A, n, V']
   lab = remap[batch["labels"][..., :n]]
@@ -110,11 +133,16 @@ def loss_fn(drafter, embed, head, remap, batch, weights):
   return loss, dict(correct=jnp.sum(correct, (0, 1)), count=jnp.sum(valid, (0, 1)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def train_step(graphdef, hyper: Hyper, state, embed, head, remap, weights, batch):
-  """One AdamW step on state {params, opt_state, step}; returns it and the step's metrics."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
+def train_step(graphdef, hyper: Hyper, online: Online | None, state, frozen, batch):
+  """One AdamW step on state {params, opt_state, step}; returns it and the step's metrics.
+  frozen: the target's embed, the training head, remap, the position weights and (online)
+  the target's parameters."""
+  features = context_features(online, frozen["target"], batch)
+
   def loss_of(params):
-    return loss_fn(nnx.merge(graphdef, params), embed, head, remap, batch, weights)
+    return loss_fn(nnx.merge(graphdef, params), frozen["embed"], frozen["head"], frozen["remap"],
+                   features, batch, frozen["weights"])
 
   (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
   updates, opt_state = hyper.optimizer().update(grads, state["opt_state"], state["params"])
@@ -122,13 +150,15 @@ def train_step(graphdef, hyper: Hyper, state, embed, head, remap, weights, batch
   return dict(params=params, opt_state=opt_state, step=state["step"] + 1), dict(loss=loss, **aux)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def eval_step(graphdef, params, embed, head, batch):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def eval_step(graphdef, online: Online | None, params, frozen, batch):
   """Full-head greedy drafts vs labels: per-position hits and valid labels [K-1], the summed
-  accepted runs and the number of anchors (teacher-forced tau = 1 + runs / anchors)."""
+  accepted runs and the number of anchors (teacher-forced tau = 1 + runs / anchors).
+  frozen: the target's embed, the full head and (online) the target's parameters."""
   drafter = nnx.merge(graphdef, params)
-  hidden = train_forward(drafter, embed, batch["features"], batch["blocks"], batch["anchors"])
-  pred = jnp.argmax(block_logits(drafter, hidden[:, :, 1:], head), -1)  # [B, A, K-1]
+  features = context_features(online, frozen["target"], batch)
+  hidden = train_forward(drafter, frozen["embed"], features, batch["blocks"], batch["anchors"])
+  pred = jnp.argmax(block_logits(drafter, hidden[:, :, 1:], frozen["head"]), -1)  # [B, A, K-1]
   hit = (pred == batch["labels"]) & batch["label_mask"]
   run = jnp.sum(jnp.cumprod(hit, axis=-1), -1)                          # [B, A]
   return dict(correct=jnp.sum(hit, (0, 1)), count=jnp.sum(batch["label_mask"], (0, 1)),

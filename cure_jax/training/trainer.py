@@ -2,11 +2,13 @@
 Trainer (the optax loop, held-out evaluation, orbax checkpoints, export). The step's math is in
 `objective`, the batches in `batches`, the HF export in `export`.
 
-Drafter layers start from the target's top layers. Data parallel over a mesh's `data` axis: the
-batch is split, parameters and optimizer state are replicated, XLA inserts the gradient
-all-reduce. Multi-host (jax.distributed): every process loads its own data folders and builds
-its rows of each global batch. Batch s is a function of (seed, process, s) alone, so a
-checkpoint of (parameters, optimizer state, step) resumes exactly.
+Drafter layers start from the target's top layers. The mesh is the decoder's (data, model): the
+batch is split over `data`; the drafter, its AdamW state, the frozen target (online features)
+and the heads are split over `model` by the decoder's partition rules (runtime/sharding.py) and
+replicated over `data`; XLA inserts the collectives (the gradient all-reduce over `data`, the
+tensor-parallel all-reduces over `model`). Multi-host (jax.distributed): every process loads
+its own data folders and builds its rows of each global batch. Batch s is a function of (seed,
+process, s) alone, so a checkpoint of (parameters, optimizer state, step) resumes exactly.
 """
 
 from __future__ import annotations
@@ -19,27 +21,31 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cure_jax.models import numerics
 from cure_jax.models.dflash import DFlash, DFlashConfig
 from cure_jax.runtime import pipeline, sharding
 from cure_jax.training.batches import check_data, load_data
 from cure_jax.training.export import export
-from cure_jax.training.objective import Hyper, eval_step, position_weights, train_step
+from cure_jax.training.objective import (Hyper, Online, eval_step, position_weights,
+                                         train_step)
+
+FEATURES = ("stored", "online")
 
 
-def check_config(config) -> None:
-  """Fails before anything loads when the config cannot describe a training run."""
+def _step_problems(config) -> list[str]:
+  """What keeps the config from describing a training step (model, optimizer, dtypes)."""
   m, t = config.model, config.train
   problems = []
-  if not config.target.path:
-    problems.append("set target.path to the target's HF directory (or embedded:smollm2)")
-  if not list(config.data.folders):
-    problems.append("set data.folders to folders written by experiments.train_drafter --stage=data")
-  if not config.workdir:
-    problems.append("set workdir (checkpoints go to workdir/checkpoints)")
+  if config.target.numerics not in numerics.MODES:
+    problems.append(f"target.numerics={config.target.numerics!r} is not one of "
+                    f"{list(numerics.MODES)}")
+  if t.target_chunk < 1:
+    problems.append(f"train.target_chunk={t.target_chunk} must be >= 1")
   if m.block_size < 2:
     problems.append(f"model.block_size={m.block_size} < 2 leaves nothing to draft")
   if not list(m.target_layer_ids):
@@ -56,8 +62,35 @@ def check_config(config) -> None:
                       ("export.dtype", config.export.dtype)):
     if value not in pipeline.DTYPES:
       problems.append(f"{name}={value!r} is not one of {sorted(pipeline.DTYPES)}")
+  return problems
+
+
+def _raise(problems: list[str]) -> None:
   if problems:
     raise ValueError("bad training config: " + "; ".join(problems) + ".")
+
+
+def check_program_config(config) -> None:
+  """Fails when the config cannot describe a training step (to compile it, no data needed)."""
+  _raise(_step_problems(config))
+
+
+def check_config(config) -> None:
+  """Fails before anything loads when the config cannot describe a training run."""
+  problems = []
+  if not config.target.path:
+    problems.append("set target.path to the target's HF directory (or embedded:smollm2)")
+  d = config.data
+  if d.features not in FEATURES:
+    problems.append(f"data.features={d.features!r} is not one of {list(FEATURES)}")
+  if list(d.responses) and d.features != "online":
+    problems.append("data.responses (tokens only) needs data.features=online")
+  if not list(d.folders) and not list(d.responses):
+    problems.append("set data.folders to folders written by experiments.train_drafter --stage=data"
+                    " (or, with data.features=online, data.responses to responses files)")
+  if not config.workdir:
+    problems.append("set workdir (checkpoints go to workdir/checkpoints)")
+  _raise(problems + _step_problems(config))
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,13 +138,27 @@ def init_from_target(drafter: DFlash, target, first_layer: int, seed: int) -> No
 # The run
 # --------------------------------------------------------------------------------------------
 
-def make_mesh(config) -> jax.sharding.Mesh:
-  """A data-parallel mesh over config.mesh.data devices (0: all of them)."""
-  n = int(config.mesh.data) or jax.device_count()
-  if n > jax.device_count() or (n < jax.device_count() and jax.process_count() > 1):
-    raise ValueError(f"mesh.data={n} but {jax.device_count()} devices are available; use 0 "
-                     "(all) or, on one host, at most that many")
-  return sharding.make_mesh(n, 1, jax.devices()[:n])
+def make_mesh(config, devices=None) -> jax.sharding.Mesh:
+  """A (data, model) mesh: config.mesh.model devices split each matrix, config.mesh.data
+  (0: all the rest) split the batch; on one host a mesh may leave devices out."""
+  devices = list(jax.devices() if devices is None else devices)
+  model = int(config.mesh.model)
+  if model < 1 or len(devices) % model:
+    raise ValueError(f"mesh.model={model} must be >= 1 and divide the {len(devices)} devices")
+  n = int(config.mesh.data) or len(devices) // model
+  if n * model > len(devices) or (n * model < len(devices) and jax.process_count() > 1):
+    raise ValueError(f"mesh.data * mesh.model = {n} * {model} but {len(devices)} devices are "
+                     "available; use mesh.data=0 (all) or, on one host, at most that many")
+  return sharding.make_mesh(n, model, devices[:n * model])
+
+
+def opt_state_shardings(optimizer, params, mesh):
+  """AdamW's moments sharded as the parameters (arrays or ShapeDtypeStructs with shardings)
+  they follow; its counters replicated."""
+  abstract = jax.eval_shape(optimizer.init, params)
+  return optax.tree_map_params(optimizer, lambda _, s: s, abstract,
+                               jax.tree.map(lambda x: x.sharding, params),
+                               transform_non_params=lambda _: NamedSharding(mesh, P()))
 
 
 def _log(*args) -> None:
@@ -140,19 +187,26 @@ class Trainer:
     self.data = load_data(config)
     target = load_target(self.target_dir, pipeline.DTYPES[config.target.dtype], progress=False,
                          placement=sharding.placement(self.mesh))
+    target.numerics = config.target.numerics
     check_data(self.data, config, target.cfg)
     self.cfg = drafter_config(target.cfg, config.model)
     self.cfg.check_against(target.cfg)
+    sharding.check_models(self.mesh, target)
     _log(f"data: {self.data.summary()}")
     self._set_heads(target)
     self.hyper = Hyper.of(config.train)
     self.graphdef, params = nnx.split(self._initial_drafter(target), nnx.Param)
+    self.online, self.target = None, None                    # the frozen target (online)
+    if self.data.online:
+      target_graphdef, self.target = nnx.split(target)
+      self.online = Online(target_graphdef, self.cfg.feature_layers, int(config.train.target_chunk))
     del target
-    replicated = NamedSharding(self.mesh, P())
     params = sharding.shard_state(params, self.mesh)
-    opt_state = jax.jit(self.hyper.optimizer().init, out_shardings=replicated)(params)
+    optimizer = self.hyper.optimizer()
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(
+        optimizer, params, self.mesh))(params)
     self.state = dict(params=params, opt_state=opt_state,
-                      step=jax.device_put(jnp.int32(0), replicated))
+                      step=jax.device_put(jnp.int32(0), NamedSharding(self.mesh, P())))
     self.history: list[dict] = []
     self._next: tuple[int, dict] | None = None  # (step, this process's rows of its batch)
     self.ckpt = ocp.CheckpointManager(
@@ -169,9 +223,10 @@ class Trainer:
     over train.vocab_subset ids with remap [V] (id -> its row, -1 outside)."""
     t = self.config.train
     replicated = NamedSharding(self.mesh, P())
+    by_vocab = NamedSharding(self.mesh, P(sharding.MODEL, None))       # vocabulary-parallel
     self.embed = target.embed_tokens.embedding[...]
     head = self.embed if target.cfg.tie_embeddings else target.lm_head.kernel[...].T  # [V, H]
-    self.head = jax.device_put(head, replicated)
+    self.head = jax.device_put(head, by_vocab)
     vocab = head.shape[0]
     subset = np.arange(vocab)
     if t.vocab_subset:
@@ -181,7 +236,10 @@ class Trainer:
            f"{counts[subset].sum() / max(counts.sum(), 1):.4f} of the answer labels")
     remap = np.full(vocab, -1, np.int32)
     remap[subset] = np.arange(len(subset))
-    self.train_head = jax.device_put(head[jnp.asarray(subset)], replicated)
+    if len(subset) % self.mesh.shape[sharding.MODEL]:
+      raise ValueError(f"train.vocab_subset={len(subset)} must divide by mesh.model="
+                       f"{self.mesh.shape[sharding.MODEL]}")
+    self.train_head = jax.device_put(head[jnp.asarray(subset)], by_vocab)
     self.remap = jax.device_put(remap, replicated)
     self.weights = jax.device_put(position_weights(self.cfg.block_size, t.gamma,
                                                    t.loss_positions), replicated)
@@ -233,8 +291,10 @@ class Trainer:
     step, t0 = self.step, time.perf_counter()
     if batch is None:
       batch = self._next[1] if self._next and self._next[0] == step else self.batch(step)
-    self.state, metrics = train_step(self.graphdef, self.hyper, self.state, self.embed,
-                                     self.train_head, self.remap, self.weights, self._put(batch))
+    frozen = dict(embed=self.embed, head=self.train_head, remap=self.remap,
+                  weights=self.weights, target=self.target)
+    self.state, metrics = train_step(self.graphdef, self.hyper, self.online, self.state, frozen,
+                                     self._put(batch))
     self._next = (step + 1, self.batch(step + 1))
     metrics = jax.device_get(metrics)
     row = dict(step=step + 1, loss=float(metrics["loss"]), lr=float(self.hyper.schedule(step)),
@@ -249,7 +309,8 @@ class Trainer:
     total = None
     for batch in self.data.eval_batches(e.rows // jax.process_count(), e.anchors, m.block_size,
                                         m.mask_token_id, e.stride):
-      out = jax.device_get(eval_step(self.graphdef, self.state["params"], self.embed, self.head,
+      frozen = dict(embed=self.embed, head=self.head, target=self.target)
+      out = jax.device_get(eval_step(self.graphdef, self.online, self.state["params"], frozen,
                                      self._put(batch)))
       total = out if total is None else {k: total[k] + out[k] for k in out}
     if total is None or not total["anchors"]:
@@ -307,8 +368,7 @@ class Trainer:
     """The current drafter as a DFlash HF directory (export.path, in export.dtype)."""
     c = self.config
     out = path or c.export.path
-    # Replicated: every process holds the whole value, no collective needed.
-    params = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), self.state["params"])
+    params = sharding.to_host(self.state["params"])   # all processes take part
     if jax.process_index() == 0:
       export(params, self.cfg, out, self.target_dir, pipeline.DTYPES[c.export.dtype],
              extra=dict(step=self.step, history=self.history, config=c.to_dict()))
