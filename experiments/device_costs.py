@@ -16,6 +16,11 @@ nothing measured):
   moe      Qwen3-Coder-30B-A3B's C_v(n) at batch 1 (experts gathered or grouped), to set beside
            the dense 8B's in `curve`
   steps    C_v(n), C_d and the compiled loops' ms per iteration of ar, chain and cure (8B)
+  train    the Qwen3-8B online drafter training step (configs/train/qwen3_8b.py: frozen bf16
+           target + float32 DFlash-b16 drafter and AdamW) at each --train_rows rows of
+           --train_len tokens: seconds per step, tokens/s, and MFU at this device's own bf16
+           peak, measured first by a large GEMM
+  (python -m experiments.device_costs --parts=train --deadline_s=420 --output_dir=...)
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from cure_jax.runtime.generation import Generator, decoding_spec
 from cure_jax.tree import controller, repair
 
 _PARTS = flags.DEFINE_list("parts", ["smoke", "curve", "prefill", "moe"],
-                           "of smoke, curve, prefill, moe, steps")
+                           "of smoke, curve, prefill, moe, steps, train")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "", "one JSON per part here")
 _DEADLINE = flags.DEFINE_float("deadline_s", 1e9, "start no new measurement after this many "
                                 "seconds")
@@ -53,6 +58,9 @@ _NODES = flags.DEFINE_list("nodes", ["1", "2", "4", "8", "16", "32", "64"], "moe
 _TARGET = flags.DEFINE_string("target", "configs/hf/qwen3_8b", "dense target's config.json dir")
 _DRAFTER = flags.DEFINE_string("drafter", "configs/hf/qwen3_8b_dflash_b16", "DFlash's dir")
 _MOE = flags.DEFINE_string("moe", "configs/hf/qwen3_coder_30b_a3b", "MoE target's dir")
+_TRAIN_ROWS = flags.DEFINE_list("train_rows", ["4", "2"], "train: rows per step, tried in order "
+                                "until one fits")
+_TRAIN_LEN = flags.DEFINE_integer("train_len", 3072, "train: tokens per row")
 
 # what --small keeps of a config.json: a model that compiles and runs in seconds on a CPU
 _SMALL_SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -195,7 +203,61 @@ def steps() -> dict:
   return dict(costs=costs, loop_ms_per_iteration=loops)
 
 
-RUNS = dict(smoke=smoke, curve=curve, prefill=prefill, moe=moe, steps=steps)
+def _gemm_tflops() -> float:
+  """This device's dense bf16 matmul rate: the best of 5 products of two n x n matrices."""
+  n = 1024 if _SMALL.value else 8192
+  a = jnp.ones((n, n), jnp.bfloat16)
+  f = jax.jit(lambda a, b: a @ b)
+  jax.block_until_ready(f(a, a))
+  runs = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(a, a))
+    runs.append(time.perf_counter() - t0)
+  return 2 * n ** 3 / min(runs) / 1e12
+
+
+def train() -> dict:
+  """Seconds per online training step (the 3rd to 5th after compiling), tokens/s and MFU (the
+  step's model FLOPs, training/program.model_flops, over the measured peak)."""
+  from configs.train import qwen3_8b
+  from cure_jax.training import objective, program
+  peak = _gemm_tflops()
+  print(f"train: bf16 GEMM peak {peak:.1f} TFLOP/s")
+  target = convert_qwen3.FAMILY.build(_config(_TARGET.value), jnp.bfloat16)
+  config = qwen3_8b.get_config()
+  if _SMALL.value:
+    config.model.update(num_layers=1, target_layer_ids=(1, 2), mask_token_id=4095)
+  rows = []
+  for n in filter(lambda n: _in_time(f"train {n} rows"), _ints(_TRAIN_ROWS.value)):
+    config.train.seqs_per_step = n
+    static, (state, frozen, batch) = program.random_inputs(config, target, _TRAIN_LEN.value)
+    flops = program.model_flops(config, target.cfg, _TRAIN_LEN.value)["total"]
+    try:
+      t0 = time.perf_counter()
+      step = objective.train_step.lower(*static, state, frozen, batch).compile()
+      compile_s, runs = time.perf_counter() - t0, []
+      for _ in range(5):
+        t0 = time.perf_counter()
+        state, metrics = step(state, frozen, batch)
+        jax.block_until_ready(metrics["loss"])
+        runs.append(time.perf_counter() - t0)
+    except jax.errors.JaxRuntimeError as e:   # does not fit: the next, smaller batch
+      print(f"train {n} rows: {str(e).splitlines()[0][:200]}")
+      rows.append(dict(rows=n, failed=str(e)[:2000]))
+      continue
+    s = float(np.median(runs[2:]))
+    row = dict(rows=n, seq_len=_TRAIN_LEN.value, step_s=s, runs_s=runs, compile_s=compile_s,
+               tokens_per_s=n * _TRAIN_LEN.value / s, model_flops=flops,
+               mfu=flops / s / (peak * 1e12))
+    rows.append(row)
+    print(f"train {n} x {_TRAIN_LEN.value}: {s:.3f} s per step, {row['tokens_per_s']:,.0f} "
+          f"tokens/s, MFU {row['mfu']:.3f} of the measured peak (compile {compile_s:.0f} s)")
+    break
+  return dict(gemm_bf16_tflops=peak, rows=rows)
+
+
+RUNS = dict(smoke=smoke, curve=curve, prefill=prefill, moe=moe, steps=steps, train=train)
 
 
 def main(argv):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -26,7 +27,9 @@ from cure_jax.training.trainer import drafter_config, opt_state_shardings
 
 
 def _struct(shape, dtype, mesh, spec) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  """An abstract array, sharded by spec over mesh (unsharded without one)."""
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              sharding=NamedSharding(mesh, spec) if mesh is not None else None)
 
 
 def abstract_batch(config, seq_len: int, mesh) -> dict:
@@ -81,6 +84,12 @@ def _layer_flops(h: int, heads: int, kv_heads: int, head_dim: int, inter: int,
   return 2 * (proj + 3 * h * inter) + 4 * keys * heads * head_dim
 
 
+def _bullets(doc: str) -> str:
+  """A docstring's bullet list, dedented (for reports)."""
+  lines = [line.strip() for line in doc.split("\n\n", 1)[1].strip().splitlines()]
+  return "\n".join(line if line.startswith("- ") else "  " + line for line in lines)
+
+
 def model_flops(config, target_cfg, seq_len: int) -> dict:
   """The step's useful FLOPs, counted from shapes (2 per multiply-add), over the global batch:
 
@@ -114,8 +123,11 @@ def model_flops(config, target_cfg, seq_len: int) -> dict:
   return dict(total=float(total), target_forward=float(target),
               target_attention=float(target_attention), drafter_forward=float(drafter_fwd),
               drafter_backward=float(drafter_bwd), tokens=tokens,
-              block_tokens=block_tokens, rule=model_flops.__doc__.split("\n\n", 1)[1].strip())
+              block_tokens=block_tokens, rule=_RULE)
 
+
+
+_RULE = _bullets(model_flops.__doc__)
 
 
 def entry_labels(lowered) -> dict[int, str]:
@@ -234,3 +246,33 @@ def markdown(meta: dict, rec: dict) -> str:
               f"| tokens/s (context tokens, whole job) | {rec['tokens_per_s']:,.0f} |", "",
               "Model FLOPs:", "", flops["rule"], ""]
   return "\n".join(lines)
+
+
+def random_inputs(config, target, seq_len: int, seed: int = 0):
+  """Every argument of the online train_step on the default device, at random: the drafter
+  (config.model, float32 by default) with its AdamW state, the target as given, a batch of
+  train.seqs_per_step random sequences of seq_len tokens. For timing the step on a device, where
+  what the numbers are does not change what a step costs. Returns (static, arrays) for
+  train_step(*static[:3], *arrays)."""
+  cfg = drafter_config(target.cfg, config.model)
+  graphdef, params = nnx.split(DFlash(cfg, pipeline.DTYPES[config.model.dtype],
+                                      rngs=nnx.Rngs(seed)), nnx.Param)
+  hyper = objective.Hyper.of(config.train)
+  state = dict(params=params, opt_state=hyper.optimizer().init(params), step=jnp.int32(0))
+  target_graphdef, target_params = nnx.split(target)
+  embed = target.embed_tokens.embedding[...]
+  head = embed if target.cfg.tie_embeddings else target.lm_head.kernel[...].T
+  n = min(int(config.train.loss_positions), cfg.block_size - 1)
+  frozen = dict(embed=embed, head=head, remap=jnp.arange(target.cfg.vocab_size, dtype=jnp.int32),
+                weights=jnp.asarray(objective.position_weights(cfg.block_size,
+                                                               config.train.gamma, n)),
+                target=target_params)
+  rng = np.random.default_rng(seed)
+  batch = {k: jnp.asarray(rng.integers(1, max(seq_len - cfg.block_size, 2), v.shape)
+                          if k == "anchors" else
+                          np.full(v.shape, seq_len) if k == "lengths" else
+                          np.ones(v.shape, bool) if v.dtype == bool else
+                          rng.integers(0, target.cfg.vocab_size - 1, v.shape), v.dtype)
+           for k, v in abstract_batch(config, seq_len, None).items()}
+  online = objective.Online(target_graphdef, cfg.feature_layers, int(config.train.target_chunk))
+  return (graphdef, hyper, online), (state, frozen, batch)
