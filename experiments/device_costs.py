@@ -16,6 +16,13 @@ nothing measured):
   moe      Qwen3-Coder-30B-A3B's C_v(n) at batch 1 (experts gathered or grouped), to set beside
            the dense 8B's in `curve`
   steps    C_v(n), C_d and the compiled loops' ms per iteration of ar, chain and cure (8B)
+  loops    the decode loops as experiments.decode runs them (Qwen3-8B + DFlash-b16, random bf16
+           weights, so τ is meaningless and cost is what is measured): ms per iteration of ar,
+           chain, ddtree at each --tree_nodes, cure and auto at each --loop_batches (batch 1
+           first), beside the count of the same compiled program (costs/hlo_traffic: HBM bytes
+           and FLOPs of one iteration) at this device's measured HBM bandwidth (a large copy)
+           and bf16 GEMM peak; writes loops.json and loops.md
+  (python -m experiments.device_costs --parts=loops --deadline_s=480 --output_dir=...)
   train    the Qwen3-8B online drafter training step (configs/train/qwen3_8b.py: frozen bf16
            target + float32 DFlash-b16 drafter and AdamW) at each --train_rows rows of
            --train_len tokens: seconds per step, tokens/s, and MFU at this device's own bf16
@@ -44,7 +51,7 @@ from cure_jax.runtime.generation import Generator, decoding_spec
 from cure_jax.tree import controller, repair
 
 _PARTS = flags.DEFINE_list("parts", ["smoke", "curve", "prefill", "moe"],
-                           "of smoke, curve, prefill, moe, steps, train")
+                           "of smoke, curve, prefill, moe, steps, loops, train")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "", "one JSON per part here")
 _DEADLINE = flags.DEFINE_float("deadline_s", 1e9, "start no new measurement after this many "
                                 "seconds")
@@ -58,6 +65,9 @@ _NODES = flags.DEFINE_list("nodes", ["1", "2", "4", "8", "16", "32", "64"], "moe
 _TARGET = flags.DEFINE_string("target", "configs/hf/qwen3_8b", "dense target's config.json dir")
 _DRAFTER = flags.DEFINE_string("drafter", "configs/hf/qwen3_8b_dflash_b16", "DFlash's dir")
 _MOE = flags.DEFINE_string("moe", "configs/hf/qwen3_coder_30b_a3b", "MoE target's dir")
+_LOOP_BATCHES = flags.DEFINE_list("loop_batches", ["1", "8", "32"], "loops: batch sizes")
+_TREE_NODES = flags.DEFINE_list("tree_nodes", ["16", "64", "256"], "loops: ddtree node budgets")
+_LOOP_TOKENS = flags.DEFINE_integer("loop_tokens", 64, "loops: new tokens a row (iterations)")
 _TRAIN_ROWS = flags.DEFINE_list("train_rows", ["4", "2"], "train: rows per step, tried in order "
                                 "until one fits")
 _TRAIN_LEN = flags.DEFINE_integer("train_len", 3072, "train: tokens per row")
@@ -217,6 +227,82 @@ def _gemm_tflops() -> float:
   return 2 * n ** 3 / min(runs) / 1e12
 
 
+def _copy_gbps() -> float:
+  """This device's HBM bandwidth: the best of 5 passes of x + 1 over a 2 GiB bf16 array (one
+  read and one write of it)."""
+  n = (32 if _SMALL.value else 1024) * 2 ** 20
+  x = jnp.ones((n,), jnp.bfloat16)
+  f = jax.jit(lambda x: x + 1)
+  jax.block_until_ready(f(x))
+  runs = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    runs.append(time.perf_counter() - t0)
+  return 2 * x.nbytes / min(runs) / 1e9
+
+
+def _loop_programs(block: int) -> list[tuple[str, int, repair.RepairConfig | None]]:
+  """(method, nodes verified a row per iteration, tree settings) in the order they are timed."""
+  out = [("ar", 1, None), ("chain", block, None)]
+  out += [("ddtree", n, repair.RepairConfig(max_depth=block - 1, v_max=n))
+          for n in _ints(_TREE_NODES.value)]
+  cure = repair.RepairConfig(tau_margin=1e9, max_depth=block - 1, v_max=64)  # repair every block
+  return out + [("cure", 64, cure), ("auto", block, None)]
+
+
+def loops() -> dict:
+  """ms per iteration of each compiled decode loop and its count at the measured figures."""
+  from cure_jax.costs import hlo_traffic
+  gbps, tflops = _copy_gbps(), _gemm_tflops()
+  print(f"loops: HBM {gbps:.0f} GB/s (copy), bf16 GEMM {tflops:.1f} TFLOP/s")
+  target, drafter = _pair()
+  rng = np.random.default_rng(0)
+  records = []
+  for batch in _ints(_LOOP_BATCHES.value):
+    prompts = rng.integers(0, 1000, (batch, 64)).tolist()
+    for method, nodes, cure in _loop_programs(drafter.cfg.block_size):
+      if not _in_time(f"loops {method}/{nodes} batch {batch}"):
+        continue
+      try:
+        gen = Generator(target, drafter if method != "ar" else None, method=method, cure=cure,
+                        max_new_tokens=_LOOP_TOKENS.value)
+        gen.generate(prompts)                                  # compile and warm up
+        results = gen.generate(prompts)
+      except Exception as e:  # e.g. out of memory: the next program still runs
+        print(f"loops {method}/{nodes} batch {batch}: FAILED {type(e).__name__}: {e}"[:400])
+        records.append(dict(method=method, batch=batch, nodes=nodes, failed=str(e)[:2000]))
+        continue
+      iterations = max(r.iterations for r in results)
+      ms = 1000.0 * results[0].decode_s / iterations
+      it = hlo_traffic.count(gen.compiled_decode(batch, 64).as_text())["loops"][0]
+      count_ms = 1000.0 * max(it["hbm_bytes"] / (gbps * 1e9), it["dot_flops"] / (tflops * 1e12))
+      records.append(dict(method=method, batch=batch, nodes=nodes, ms_per_iteration=ms,
+                          count_ms=count_ms, ratio=ms / count_ms, iterations=iterations,
+                          hbm_bytes=it["hbm_bytes"], flops=it["dot_flops"],
+                          device=jax.devices()[0].device_kind, jax=jax.__version__))
+      print(f"loops {method}/{nodes} batch {batch}: {ms:.2f} ms per iteration, count "
+            f"{count_ms:.2f} ms ({ms / count_ms:.2f}x; {it['hbm_bytes'] / 1e9:.2f} GB, "
+            f"{it['dot_flops'] / 1e12:.3f} TFLOP an iteration)", flush=True)
+      files.write_json(str(Path(_OUTPUT_DIR.value) / "loops.json"),   # so far, in case of a kill
+                       dict(_device(), partial=True, hbm_gbps=gbps, bf16_tflops=tflops,
+                            records=records))
+  return dict(hbm_gbps=gbps, bf16_tflops=tflops, records=records)
+
+
+def loops_markdown(result: dict) -> str:
+  """loops.json as a table."""
+  lines = [f"# Decode loops timed on {result['device_kind']} (jax {result['jax']})", "",
+           f"HBM {result['hbm_gbps']:.0f} GB/s (copy), bf16 GEMM {result['bf16_tflops']:.1f} "
+           "TFLOP/s, both measured here; count = max(bytes / bandwidth, FLOPs / peak) of one "
+           "iteration of the same compiled program.", "",
+           "| method | nodes | batch | ms / iteration | count ms | ratio |", "|---|---|---|---|---|---|"]
+  for r in (r for r in result["records"] if "failed" not in r):
+    lines.append(f"| {r['method']} | {r['nodes']} | {r['batch']} | {r['ms_per_iteration']:.2f} | "
+                 f"{r['count_ms']:.2f} | {r['ratio']:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
 def train() -> dict:
   """Seconds per online training step (the 3rd to 5th after compiling), tokens/s and MFU (the
   step's model FLOPs, training/program.model_flops, over the measured peak)."""
@@ -257,7 +343,13 @@ def train() -> dict:
   return dict(gemm_bf16_tflops=peak, rows=rows)
 
 
-RUNS = dict(smoke=smoke, curve=curve, prefill=prefill, moe=moe, steps=steps, train=train)
+def _device() -> dict:
+  return dict(device_kind=jax.devices()[0].device_kind, backend=jax.default_backend(),
+              jax=jax.__version__, small=_SMALL.value)
+
+
+RUNS = dict(smoke=smoke, curve=curve, prefill=prefill, moe=moe, steps=steps, loops=loops,
+            train=train)
 
 
 def main(argv):
@@ -267,8 +359,7 @@ def main(argv):
     raise ValueError(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(RUNS)}")
   if not _OUTPUT_DIR.value:
     raise ValueError("--output_dir is required (one JSON per part is written there)")
-  device = dict(device_kind=jax.devices()[0].device_kind, backend=jax.default_backend(),
-                jax=jax.__version__, small=_SMALL.value)
+  device = _device()
   print(json.dumps(device))
   for part in _PARTS.value:
     if not _in_time(part):
@@ -282,6 +373,9 @@ def main(argv):
     result["part_s"] = time.perf_counter() - t0
     files.write_json(str(Path(_OUTPUT_DIR.value) / f"{part}.json"),
                      json.loads(json.dumps(result, default=str)))
+    if part == "loops" and result["ok"]:
+      files.write_atomic(str(Path(_OUTPUT_DIR.value) / "loops.md"),
+                         loops_markdown(result).encode())
     print(f"{part}: {result['part_s']:.0f} s, written")
 
 

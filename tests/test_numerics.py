@@ -185,3 +185,27 @@ def test_every_method_at_any_batch_emits_target_only_tokens_at_batch_1(dtype, tm
     gen = pipeline.make_generator(config, target, pipeline.load_drafter(config, target))
     got = pipeline.decode_all(gen, prompts, batch)
     assert [r.output_ids for r in got] == [r.output_ids for r in alone], (method, batch)
+
+
+def test_sampling_with_a_fixed_seed_emits_the_same_tokens_at_any_batch(tmp_path):
+  """Temperature 1 in invariant numerics: each method's tokens for a prompt, decoded in batches
+  of 4 (target-only: 12), equal that method's tokens for the prompt decoded alone with the same
+  seed: every sequence samples from its own key (tree/sampling.row_keys). The draws are real:
+  most prompts sample other tokens than greedy decoding emits. Not auto: its controller picks
+  one node budget for the whole batch from every row's acceptance, so a row verifies other trees
+  beside other rows, and a sampled walk through another tree draws other numbers (greedy, the
+  tokens are the same; sampled, the distribution is)."""
+  dirs = _dirs(tmp_path, SMALL, seed=4)
+  prompts = random_models.prompts(9, SMALL.vocab, 12, lo=3, hi=30)
+  target = pipeline.load_target(_config(dirs, "float32", "invariant"))
+  greedy = pipeline.decode_all(pipeline.make_generator(_config(dirs, "float32", "invariant"),
+                                                       target, None), prompts, 12)
+  for method, batch in [run for run in RUNS["float32"] if run[0] != "auto"]:
+    config = _config(dirs, "float32", "invariant", method)
+    config.temperature = 1.0
+    drafter = pipeline.load_drafter(config, target) if method != "ar" else None
+    gen = pipeline.make_generator(config, target, drafter)
+    alone = [r.output_ids for r in pipeline.decode_all(gen, prompts, 1)]
+    assert [r.output_ids for r in pipeline.decode_all(gen, prompts, batch)] == alone, method
+    if method == "ar":
+      assert sum(a != g.output_ids for a, g in zip(alone, greedy)) >= 6

@@ -128,14 +128,14 @@ def _longest_branch_verifier(tree, p, q, deterministic, key, length, max_childre
   p_parent = jnp.take_along_axis(p, parent[..., None], axis=1)             # [B, V, N]
   px = jnp.take_along_axis(p_parent, x[..., None], axis=2)[..., 0]
   qx = jnp.where(deterministic, 1.0, jnp.take_along_axis(q, x[..., None], axis=2)[..., 0])
-  u = jax.random.uniform(key, px.shape)
+  u = jax.vmap(lambda k: jax.random.uniform(k, px.shape[1:]))(key)       # key: one per row
   correct = (tree.parent < 0) | (u * qx < px)
   ok = verify.accepted_nodes(tree, correct)
   reach = jnp.where(ok, tree.depth, -1)
   winner = jnp.argmax(reach, axis=1).astype(jnp.int32)
   final = jnp.take_along_axis(p, winner[:, None, None], axis=1)[:, 0]
   return verify.Verdict(accepted=jnp.max(reach, axis=1), path=verify.path_to(tree, winner, length),
-                        next_token=sampling.draw(jax.random.fold_in(key, 1), final),
+                        next_token=sampling.draw(sampling.fold(key, 1), final),
                         winner=winner, branch0_accepted=jnp.zeros_like(winner))
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from cure_jax.methods.base import Method, Spec, choose, path_proposal
+from cure_jax.tree import sampling
 
 DEFAULT_GAMMA = 4
 
@@ -34,7 +35,7 @@ class ArDraft(Method):
 
   def propose(self, target, drafter, dcache, spec, key, anchor, lengths, limit, want_tree=None):
     del target, want_tree
-    key_main, _ = jax.random.split(key)
+    key_main, _ = sampling.split(key)
     draft, q_main, dcache = draft_tokens(drafter, dcache, spec, key_main, anchor, lengths)
     return path_proposal(spec, anchor, draft, q_main, limit), dcache
 
@@ -55,7 +56,7 @@ def draft_tokens(model, cache, spec: Spec, key, anchor, lengths):
     mask = jnp.concatenate([cache.visible()[:, None, :], jnp.ones((token.shape[0], 1, 1), bool)],
                            axis=-1)
     out = model(token[:, None], (lengths + i)[:, None], cache, mask)
-    nxt, q = choose(spec, jax.random.fold_in(key, i), model.logits(out.hidden[:, 0]))
+    nxt, q = choose(spec, sampling.fold(key, i), model.logits(out.hidden[:, 0]))
     q = jnp.zeros((token.shape[0], 0)) if q is None else q
     return (cache.append(out.k, out.v, jnp.ones_like(lengths)), nxt), (nxt, q)
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from cure_jax.methods import block
 from cure_jax.methods.base import Proposal, branch0_rows, choose, log_q
-from cure_jax.tree import candidates as tree_lib, repair
+from cure_jax.tree import candidates as tree_lib, repair, sampling
 
 
 class Cure(block.TreeBlockDrafter):
@@ -52,7 +52,7 @@ class Cure(block.TreeBlockDrafter):
     drafter's head runs only on the suffix nodes it kept (at most v_max rows instead of every
     path's K-1 positions: most of a repair suffix falls outside a small tree).
     """
-    key_main, key_repair = jax.random.split(key)
+    key_main, key_repair = sampling.split(key)
     logits = block.main_logits(target, drafter, dcache, spec, anchor, lengths, limit)
     draft, q_main = choose(spec, key_main, logits)                           # [B, K-1(, V)]
     cfg = spec.cure

@@ -106,14 +106,15 @@ def prefill_chunks(target, drafter, spec: Spec, prompt, prompt_len):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def prefill(graphdef, params, prompt, prompt_len, key=None, *, spec: Spec) -> State:
+def prefill(graphdef, params, prompt, prompt_len, key=None, first_row=0, *, spec: Spec) -> State:
   """prompt [B, P] right-padded ids, prompt_len [B], a PRNG key (for sampling; default seed 0)
+  and the index of row 0 in the whole request (row b samples from fold_in(key, first_row + b))
   -> the state before the first iteration."""
   key = jax.random.key(0) if key is None else key
   target, drafter = _merge(graphdef, params)
   b = prompt.shape[0]
   cache, dcache, last = prefill_chunks(target, drafter, spec, prompt, prompt_len)
-  key, sub = jax.random.split(key)
+  key, sub = sampling.split(sampling.row_keys(key, first_row, b))        # [B] each
   first, _ = choose(spec, sub, target.logits(last))
 
   n = spec.max_new_tokens
@@ -131,7 +132,7 @@ def propose(target, drafter, spec: Spec, st: State, want=None):
   """Phase 1, draft and tree build: (proposal, drafter cache). want [B] (online budget): the
   sequences that may repair; by default the budget's choice."""
   limit = depth_limit(spec, st.cache.lengths, st.produced)
-  key_draft = jax.random.fold_in(st.key, 1)
+  key_draft = sampling.fold(st.key, 1)
   if want is None and spec.online:
     want = budget_lib.want_tree(st.budget, st.step, spec.cure, spec.block_size)
   return spec.impl.propose(target, drafter, st.dcache, spec, key_draft, st.anchor,
@@ -153,7 +154,7 @@ def _verify(target, spec: Spec, st: State, proposal: Proposal):
     verdict = verify.greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), spec.block_size)
   else:
     verdict = verify.stochastic(tree, sampling.warp(logits, spec.sampling), proposal.q,
-                                proposal.deterministic, jax.random.fold_in(st.key, 2),
+                                proposal.deterministic, sampling.fold(st.key, 2),
                                 spec.block_size, spec.max_children)
   return verdict, spec.impl.keep_verified(spec, tree, out, verdict.path)
 
@@ -252,7 +253,7 @@ def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified) 
       tokens=tokens, produced=produced,
       done=st.done | (active & (hit_stop | (produced >= spec.max_new_tokens))),
       iterations=st.iterations + active.astype(jnp.int32), step=st.step + 1,
-      key=jax.random.fold_in(st.key, 3),
+      key=sampling.fold(st.key, 3),
       stats=_record(st.stats, st.step, active, proposal, verdict, n_new), budget=budget)
 
 
@@ -375,18 +376,20 @@ def lower_sharded(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
   key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
   key_data = jax.ShapeDtypeStruct(key_data.shape, key_data.dtype, sharding=NamedSharding(mesh, P()))
 
-  def start(p, x, n, k):  # k: raw key data (put_key), so every process can supply it
-    return prefill(graphdef, p, x, n, jax.random.wrap_key_data(k), spec=spec)
+  first = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+
+  def start(p, x, n, k, f):  # k: raw key data (put_key), so every process can supply it
+    return prefill(graphdef, p, x, n, jax.random.wrap_key_data(k), f, spec=spec)
 
   def run(p, st):
     return decode(graphdef, p, st, spec=spec)
 
   with jax.set_mesh(mesh):   # the TPU attention kernel runs per shard of this mesh
-    shapes = jax.eval_shape(start, params, prompt, plen, key_data)
+    shapes = jax.eval_shape(start, params, prompt, plen, key_data, first)
     out = sharding.decoding_state_shardings(shapes, mesh)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          shapes, out)
-    pre = jax.jit(start, out_shardings=out).lower(params, prompt, plen, key_data)
+    pre = jax.jit(start, out_shardings=out).lower(params, prompt, plen, key_data, first)
     dec = jax.jit(run, out_shardings=out, donate_argnums=1).lower(params, state)
   return pre, dec
 

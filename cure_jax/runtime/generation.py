@@ -229,19 +229,29 @@ class Generator:
       prompt = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
       plen = jax.ShapeDtypeStruct((batch,), jnp.int32)
       rng = jax.eval_shape(jax.random.key, 0)
+      first = jax.ShapeDtypeStruct((), jnp.int32)
       pre = decoding.compile_with(decoding.prefill.lower(self.graphdef, self.params, prompt,
-                                                         plen, rng, spec=spec), options)
-      state = jax.eval_shape(lambda p, l, k: decoding.prefill(self.graphdef, self.params, p, l, k,
-                                                              spec=spec), prompt, plen, rng)
+                                                         plen, rng, first, spec=spec), options)
+      state = jax.eval_shape(lambda p, l, k, f: decoding.prefill(
+          self.graphdef, self.params, p, l, k, f, spec=spec), prompt, plen, rng, first)
       dec = decoding.compile_with(
           decoding.decode.lower(self.graphdef, self.params, state, spec=spec), options)
       _EXECUTABLES[key] = (pre, dec)
       self.compile_s[(batch, bucket, max_len)] = time.perf_counter() - t0
     return _EXECUTABLES[key]
 
-  def generate(self, prompts: list[list[int]], seed: int | None = None) -> list[Result]:
+  def compiled_decode(self, batch: int, prompt_len: int):
+    """The compiled decode loop `generate` runs for `batch` prompts of up to prompt_len tokens
+    (for reading its program: costs/hlo_traffic)."""
+    max_len = self.cache_len(prompt_len)
+    return self._executables(batch, max_len if self.max_len else prompt_bucket(prompt_len),
+                             max_len)[1]
+
+  def generate(self, prompts: list[list[int]], seed: int | None = None,
+               first_row: int = 0) -> list[Result]:
     """Decodes one batch of prompts (lists of ids); returns one Result per prompt. Sampling is
-    reproducible from `seed` (default: the Generator's)."""
+    reproducible from `seed` (default: the Generator's): prompt i samples from its own key,
+    fold_in(key(seed), first_row + i), whatever else is in the batch."""
     if not prompts:
       raise ValueError("no prompts to decode: the batch is empty")
     if any(len(p) == 0 for p in prompts):
@@ -260,10 +270,10 @@ class Generator:
       padded[i, :len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     put = jnp.asarray if self.mesh is None else lambda x: sharding.put_batch(x, self.mesh)
-    key = jax.random.key(self.seed if seed is None else seed)
+    key, first = jax.random.key(self.seed if seed is None else seed), np.int32(first_row)
     if self.mesh is not None:
-      key = sharding.put_key(key, self.mesh)
-    state = pre(self.params, put(padded), put(lengths), key)
+      key, first = sharding.put_key(key, self.mesh), sharding.put_replicated(first, self.mesh)
+    state = pre(self.params, put(padded), put(lengths), key, first)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = dec(self.params, state)

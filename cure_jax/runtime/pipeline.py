@@ -279,8 +279,8 @@ def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,
     raise ValueError(f"batch_size={batch_size} must be a positive integer (prompts decoded "
                      "together)")
   results = []
-  for i in range(0, len(ids), batch_size):  # batch i samples with seed + i: reproducible
-    results.extend(generator.generate(ids[i:i + batch_size], seed=generator.seed + i))
+  for i in range(0, len(ids), batch_size):  # prompt i samples from its own key: any batch size
+    results.extend(generator.generate(ids[i:i + batch_size], first_row=i))
     if progress is not None:
       progress(len(results))
   return results

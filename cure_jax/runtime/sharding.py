@@ -208,9 +208,14 @@ def put_batch(array: np.ndarray, mesh: Mesh) -> jax.Array:
   return _put(array, NamedSharding(mesh, P(DATA, *(None,) * (array.ndim - 1))))
 
 
+def put_replicated(array: np.ndarray, mesh: Mesh) -> jax.Array:
+  """A host array every device holds whole (every process supplies the same value)."""
+  return _put(np.asarray(array), NamedSharding(mesh, P()))
+
+
 def put_key(key: jax.Array, mesh: Mesh) -> jax.Array:
   """A PRNG key as replicated raw key data, the form decoding.lower_sharded's prefill takes."""
-  return _put(np.asarray(jax.random.key_data(key)), NamedSharding(mesh, P()))
+  return put_replicated(jax.random.key_data(key), mesh)
 
 
 def to_host(tree):

@@ -64,7 +64,7 @@ def run(target, tokenizer, rows: list[dict], *, out: str | Path, target_dir: str
       log(f"time budget of {max_minutes} min reached after {n} batches; rerun to resume")
       break
     batch = ids[first:first + batch_size]
-    results = gen.generate(batch, seed=seed + first)   # as decode_all: batch i samples seed + i
+    results = gen.generate(batch, first_row=first)     # prompt i samples from its own key
     for (uid, _), prompt, res in zip(todo[first:first + batch_size], batch, results):
       pending.append(sequence(uid, prompt, res.output_ids, stops))
       new_tokens += len(res.output_ids)

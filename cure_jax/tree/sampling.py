@@ -1,7 +1,13 @@
-"""Temperature / top-k / top-p warping shared by every method, target and drafter alike.
+"""Temperature / top-k / top-p warping shared by every method, target and drafter alike, and
+the per-sequence random keys every draw takes.
 
 Speculative sampling is exact only if the drafter's proposal q and the target's p are warped
 exactly as plain sampling warps p, so there is one function for it.
+
+Each sequence of a batch carries its own key (keys [B]: `row_keys`, from the run's key and the
+sequence's index in the whole request), and every draw is made row by row from it. A sequence's
+random numbers then do not depend on the batch it is decoded in, its place there or the other
+rows: with numerics=invariant, sampling with a fixed seed emits the same tokens at any batch size.
 """
 
 from __future__ import annotations
@@ -49,6 +55,28 @@ def warp(logits, s: Sampling):
   return probs
 
 
-def draw(key, probs):
-  """One sample per row of probs [..., V] -> int32 [...]."""
-  return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+def row_keys(key, first_row, rows: int):
+  """Keys [rows] of sequences first_row, first_row + 1, ...: fold_in(key, index)."""
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(first_row + jnp.arange(rows))
+
+
+def split(keys):
+  """Two new keys [B] from each of keys [B]."""
+  both = jax.vmap(jax.random.split)(keys)                                  # [B, 2]
+  return both[:, 0], both[:, 1]
+
+
+def fold(keys, data: int):
+  """fold_in(key, data) for each of keys [B]."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, data))(keys)
+
+
+def uniform(keys):
+  """One uniform number in [0, 1) per key of keys [B]."""
+  return jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
+
+
+def draw(keys, probs):
+  """One sample per row of probs [B, ..., V] -> int32 [B, ...], row b from keys[b]."""
+  return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p), axis=-1))(
+      keys, probs).astype(jnp.int32)

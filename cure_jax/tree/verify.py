@@ -97,7 +97,7 @@ def stochastic(tree: Tree, p, q, deterministic, key, length: int, max_children: 
     chosen = jnp.full((b,), -1, jnp.int32)
     kids, kid_ok = _children(tree, node, max_children)
     for c in range(max_children):
-      key, sub = jax.random.split(key)
+      key, sub = sampling.split(key)
       kid = kids[:, c]
       test = alive & kid_ok[:, c] & (chosen < 0)
       x = jnp.take_along_axis(tree.tokens, kid[:, None], axis=1)[:, 0]
@@ -105,7 +105,7 @@ def stochastic(tree: Tree, p, q, deterministic, key, length: int, max_children: 
       q_row = jnp.where(det[:, None], jax.nn.one_hot(x, n_vocab), _row(q, kid))
       qx = jnp.take_along_axis(q_row, x[:, None], axis=1)[:, 0]
       rx = jnp.take_along_axis(r, x[:, None], axis=1)[:, 0]
-      take = test & (jax.random.uniform(sub, (b,)) * qx < rx)
+      take = test & (sampling.uniform(sub) * qx < rx)
       chosen = jnp.where(take, kid, chosen)
       residual = jnp.maximum(r - q_row, 0.0)
       total = jnp.sum(residual, axis=-1, keepdims=True)

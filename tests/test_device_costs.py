@@ -1,0 +1,40 @@
+"""experiments.device_costs --parts=loops on this CPU with --small: the device script a GPU runs,
+tried as it will run there. One record per compiled decode loop, in the order the script
+promises, each beside the count of the program that ran."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# --small's target (experiments/device_costs.py): Qwen3-8B's config.json with hidden 256,
+# intermediate 512, 4 layers, 4 query and 2 key/value heads of 64, vocabulary 4096, float32
+H, I, LAYERS, Q, KV, V = 256, 512, 4, 4 * 64, 2 * 64, 4096
+LAYER_WEIGHTS = 4 * (H * Q * 2 + H * KV * 2 + 3 * H * I)   # bytes of one layer's matrices
+HEAD = 4 * H * V
+
+
+def test_loops_part_times_every_program_beside_its_count(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  child = subprocess.run(
+      [sys.executable, "-m", "experiments.device_costs", "--small", "--parts=loops",
+       "--loop_batches=1", "--tree_nodes=16", "--loop_tokens=8", f"--output_dir={tmp_path}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert child.returncode == 0, child.stderr[-3000:]
+  data = json.loads((tmp_path / "loops.json").read_text())
+  assert data["ok"] and "partial" not in data and data["hbm_gbps"] > 0 and data["bf16_tflops"] > 0
+  records = data["records"]
+  assert [(r["method"], r["nodes"]) for r in records] == [
+      ("ar", 1), ("chain", 16), ("ddtree", 16), ("cure", 64), ("auto", 16)]
+  for r in records:
+    assert r["batch"] == 1 and r["device"] == "cpu" and r["ms_per_iteration"] > 0
+    assert r["count_ms"] > 0 and r["iterations"] >= 1
+    # every iteration verifies with the whole target: its layers and head are read at least once
+    assert r["hbm_bytes"] >= LAYERS * LAYER_WEIGHTS + HEAD, r
+  flops = {r["method"]: r["flops"] for r in records}
+  # one row through the target, a 16-token block (and the drafter), a 64-node tree
+  assert flops["ar"] < flops["chain"] < flops["cure"]
+  assert "| ddtree | 16 | 1 |" in (tmp_path / "loops.md").read_text()
