@@ -12,6 +12,10 @@ speedup = TPOT(ar) / TPOT(method).
 
   python -m experiments.projection --tpu=results/aot/v5e.json --gpu=results/aot_gpu/h100_b1.json \
     --output=results/aot/projection
+
+--loops=results/device_<kind>/loops.json adds the decode loops as timed on that device
+(experiments.device_costs --parts=loops) beside the counts: measured ms per iteration and the
+speedups they imply at the paper's, DDTree's and JetSpec's published τ, labelled as such.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ _AUTO_TAU = flags.DEFINE_list("auto_tau", [str(PAPER_TAU["chain"])], "τ of a wh
 _AUTO_MEASURED = flags.DEFINE_list("auto_measured", [], "experiments.device_costs curve.json "
                                    "files: auto on cost curves timed on a device, beside the "
                                    "projection (a later file's batch replaces an earlier one's)")
+_LOOPS = flags.DEFINE_list("loops", [], "loops.json files of experiments.device_costs: decode "
+                           "loops timed on a device")
 _ALSO = flags.DEFINE_list("also_as", [], "TPU generations without a compile of their own (e.g. "
                           "v6e,v5p) priced with the per-chip counts of the --tpu files (rows "
                           "marked 'counts of <topology>')")
@@ -64,6 +70,22 @@ def markdown(rows: list[dict]) -> str:
       f"\n\nPeak figures: {sources}. Time per iteration = max(bytes / bandwidth, FLOPs / peak) "
       "per chip, plus on GPUs compiled as such the launches times the launch cost; TPOT = "
       "iteration / τ (τ counts the bonus token).\n")
+
+
+def measured_markdown(rows: list[dict]) -> str:
+  if not rows:
+    return ""
+  table = [[r["device"], r["method"] + (f" {r['nodes']}" if r["method"] not in ("ar",) else ""),
+            r["batch"], r["tau_from"], f"{r['tau']:.3f}", f"{r['iteration_ms']:.2f}",
+            f"{r['count_ms']:.2f}", f"{r['tpot_ms']:.3f}", report.num(r["speedup"], ".2f", "x")]
+           for r in rows]
+  return ("\n## Measured on a device (experiments.device_costs --parts=loops)\n\n" +
+          report.md_table(["device", "method, nodes", "batch", "τ from", "τ",
+                           "measured ms / iteration", "count ms", "TPOT ms", "speedup vs ar"],
+                          table) +
+          "\n\nms per iteration timed on the device with random weights (τ there is meaningless);"
+          " TPOT = that / τ at each source's published τ; the count is the same program's bytes "
+          "and FLOPs at the device's measured bandwidth and peak.\n")
 
 
 def parse_tau(text: str) -> dict[str, float]:
@@ -131,9 +153,9 @@ def auto_markdown(rows: list[dict]) -> str:
 
 def main(argv):
   del argv
-  if not _TPU.value and not _CPU.value and not _GPU.value and not _AUTO_MEASURED.value:
-    raise app.UsageError("give --tpu=FILE.json (TPU compiles), --gpu=FILE.json (GPU compiles) "
-                         "and/or --cpu=FILE.json (CPU float32)")
+  if not (_TPU.value or _CPU.value or _GPU.value or _AUTO_MEASURED.value or _LOOPS.value):
+    raise app.UsageError("give --tpu=FILE.json (TPU compiles), --gpu=FILE.json (GPU compiles), "
+                         "--cpu=FILE.json (CPU float32) and/or --loops=FILE.json (timed loops)")
   taus = {"paper": PAPER_TAU}
   if _TAU.value:
     taus[_TAU_FROM.value] = parse_tau(_TAU.value)
@@ -159,8 +181,12 @@ def main(argv):
                            "need the CPU backend's float32 program (--config.dtype=float32)")
     rows += project(decode_records(data), GPUS, 0.5, taus)
   auto = auto_projection([json.loads(open(p).read()) for p in _GPU.value])
-  pipeline.write_json(_OUTPUT.value + ".json", dict(devices=DEVICES, rows=rows, auto=auto))
-  text = (markdown(rows) if rows else "") + auto_markdown(auto)
+  loops = [row for path in _LOOPS.value
+           for row in roofline.measured(json.loads(open(path).read()),
+                                        {**taus, **roofline.PUBLISHED_TAU})]
+  pipeline.write_json(_OUTPUT.value + ".json", dict(devices=DEVICES, rows=rows, auto=auto,
+                                                    measured=loops))
+  text = (markdown(rows) if rows else "") + auto_markdown(auto) + measured_markdown(loops)
   report.write_text(_OUTPUT.value + ".md", text)
   print(text)
 

@@ -143,3 +143,32 @@ def test_auto_on_a_measured_curve_adds_the_draft_pass_to_every_drafting_budget(t
   with pytest.raises(ValueError, match="no batch 1 budget 16"):
     from cure_jax.costs import curve
     curve.measured_ms(rows)(1, 16)
+
+
+def test_measured_loops_are_priced_at_each_published_tau(tmp_path):
+  """Hand-computed: ar 10 ms, chain 12 ms, a 256-node ddtree 14 ms an iteration at batch 1; the
+  paper's chain τ 7.165 gives 10 / (12 / 7.165); DDTree's τ 10.73 prices every ddtree, JetSpec's
+  10.76 the 256-node one; a failed program gives no row."""
+  import json
+  from absl import flags
+  from absl.testing import flagsaver
+  loops = dict(device_kind="GPU X", hbm_gbps=3000.0, bf16_tflops=700.0, records=[
+      dict(method="ar", batch=1, nodes=1, ms_per_iteration=10.0, count_ms=5.0),
+      dict(method="chain", batch=1, nodes=16, ms_per_iteration=12.0, count_ms=6.0),
+      dict(method="ddtree", batch=1, nodes=256, ms_per_iteration=14.0, count_ms=8.0),
+      dict(method="cure", batch=1, nodes=64, failed="out of memory")])
+  path = tmp_path / "loops.json"
+  path.write_text(json.dumps(loops))
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  with flagsaver.flagsaver(loops=[str(path)], output=str(tmp_path / "out"), tpu=[], gpu=[],
+                           cpu="", auto_measured=[], auto_batches=[]):
+    projection.main([])
+  rows = json.loads((tmp_path / "out.json").read_text())["measured"]
+  got = {(r["method"], r["tau_from"]): r["speedup"] for r in rows}
+  assert got == pytest.approx({
+      ("ar", "paper"): 1.0, ("chain", "paper"): 10 / (12 / 7.165),
+      ("ddtree", "DDTree (MATH-500)"): 10 / (14 / 10.73),
+      ("ddtree", "JetSpec (MATH-500, 256 nodes)"): 10 / (14 / 10.76)})
+  assert all(r["device"] == "GPU X (measured)" for r in rows)
+  assert "Measured on a device" in (tmp_path / "out.md").read_text()

@@ -35,6 +35,10 @@ LAUNCH_US = 4.0  # host cost of one launch (a kernel or a CUDA graph), µs: an a
 # HumanEval, Qwen3-8B, greedy (the paper): τ and speedup over target AR.
 PAPER_TAU = {"ar": 1.0, "chain": 7.165, "cure": 7.641}
 PAPER_SPEEDUP = {"chain": 5.21, "cure": 3.49}   # DFlash as in the paper's peers table
+# τ other systems publish for Qwen3-8B, greedy, to price measured loops with ("method" or
+# "method/nodes"): DDTree's best-first trees on one DFlash pass; JetSpec's 256-node trees.
+PUBLISHED_TAU = {"DDTree (MATH-500)": {"ddtree": 10.73},
+                 "JetSpec (MATH-500, 256 nodes)": {"ddtree/256": 10.76}}
 SHARES = {"weights": ("target_weights", "target_head"), "drafter": ("drafter_weights",),
           "kv": ("target_kv", "drafter_kv"), "tree and state": ("activation", "state", "input")}
 
@@ -88,6 +92,26 @@ def weight_flops(rec: dict, block_size: int = 16) -> float:
   w, nodes = rec["weights"], rec["v_max"] or (1 if rec["method"] == "ar" else block_size)
   drafter = 0.0 if rec["method"] == "ar" else w.get("drafter", 0.0) * block_size
   return rec["batch"] * (w["target"] * nodes + drafter)
+
+
+def measured(loops: dict, taus: dict[str, dict[str, float]]) -> list[dict]:
+  """Rows from the decode loops timed on a device (experiments.device_costs --parts=loops):
+  per (method, nodes, batch, τ source), the measured ms per iteration, TPOT = ms / τ and the
+  speedup over the measured target-only loop at that batch."""
+  ok = [r for r in loops["records"] if "failed" not in r]
+  ar = {r["batch"]: r["ms_per_iteration"] for r in ok if r["method"] == "ar"}
+  rows = []
+  for r in ok:
+    for source, tau in taus.items():
+      t = tau.get(f"{r['method']}/{r['nodes']}", tau.get(r["method"]))
+      if t is None:
+        continue
+      tpot = r["ms_per_iteration"] / t
+      rows.append(dict(device=f"{loops['device_kind']} (measured)", method=r["method"],
+                       nodes=r["nodes"], batch=r["batch"], tau_from=source, tau=t,
+                       iteration_ms=r["ms_per_iteration"], count_ms=r["count_ms"],
+                       tpot_ms=tpot, speedup=ar[r["batch"]] / tpot if r["batch"] in ar else None))
+  return rows
 
 
 def launch_ms(rec: dict, launch_us: float) -> float:
