@@ -448,6 +448,7 @@ def main(argv):
   mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.model), devices=devices)
   needs_drafter = any(m != "ar" for m in names)
   target, drafter = abstract_pair(target_dir, drafter_dir if needs_drafter else None, dtype)
+  target.numerics = config.get("numerics", "default")       # models/numerics.py
   sharding.check_models(mesh, target, drafter)
   for b in batches:
     if b % mesh.shape[sharding.DATA]:
@@ -460,7 +461,7 @@ def main(argv):
               topology=topology, device_kind=devices[0].device_kind,
               mesh=[int(mesh.shape["data"]), int(mesh.shape["model"])], dtype=config.dtype,
               max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__,
-              prefill_chunk=int(config.prefill_chunk),
+              prefill_chunk=int(config.prefill_chunk), numerics=target.numerics,
               compiler_options=options, draft_vocab=len(vocab), draft_vocab_ids=vocab_from)
   records = []
   for case in cases(programs, names, v_maxes, batches):
