@@ -64,10 +64,12 @@ def generate_data(config) -> dict:
   target_dir = pipeline.resolve_path(config.target.path)
   rows = [row for path in g.prompts for row in prompts_lib.read_jsonl(path)]
   tokenizer = pipeline.load_tokenizer(target_dir)
-  target = load_target(target_dir, pipeline.dtype_of(config.target), progress=False)
+  dtype = pipeline.dtype_of(config.target)
   log = lambda msg: print(msg, flush=True)  # noqa: E731
   if online:
-    with distributed.job(config):   # several hosts: each decodes its share into its folder
+    # several hosts: each decodes its share into its folder; the job starts before JAX does
+    with distributed.job(config):
+      target = load_target(target_dir, dtype, progress=False)
       out = g.out.format(process=jax.process_index())
       stats = responses.run(
           target, tokenizer, rows, out=out, target_dir=target_dir,
@@ -77,14 +79,14 @@ def generate_data(config) -> dict:
           responses=g.responses.format(process=jax.process_index()) or None, log=log)
     print(f"data: {stats}", flush=True)
     return stats
+  target = load_target(target_dir, dtype, progress=False)
   stats = drafter_data.run(
       target, tokenizer, rows, out=g.out, target_dir=target_dir,
       target_layer_ids=tuple(config.model.target_layer_ids),
       stops=pipeline.stop_ids(target_dir, tokenizer), batch_size=g.batch_size,
       max_new_tokens=g.max_new_tokens, prompt_buckets=tuple(g.prompt_buckets),
       temperature=g.temperature, seed=g.seed, max_minutes=g.max_minutes or float("inf"),
-      shard_batches=g.shard_batches, responses=g.responses or None,
-      log=lambda msg: print(msg, flush=True))
+      shard_batches=g.shard_batches, responses=g.responses or None, log=log)
   print(f"data: {stats}", flush=True)
   return stats
 
