@@ -20,11 +20,15 @@ class Array:
   on_chip: bool                                   # memory space S(n), n > 0
 
   @property
-  def bytes(self) -> float:
+  def elements(self) -> int:
     n = 1
     for d in self.dims:
       n *= d
-    return n * DTYPE_BYTES.get(self.dtype, 4)
+    return n
+
+  @property
+  def bytes(self) -> float:
+    return self.elements * DTYPE_BYTES.get(self.dtype, 4)
 
 
 @dataclasses.dataclass

@@ -59,7 +59,7 @@ import re
 
 import numpy as np
 
-from cure_jax.costs.hlo_text import (DTYPE_BYTES, Array, Computation, Instr, parse_module)
+from cure_jax.costs.hlo_text import Array, Computation, Instr, parse_module
 from cure_jax.costs.hlo_text import arrays as _arrays, called as _called
 from cure_jax.costs.hlo_text import op_name as _op_name, trip_count as _trip_count
 from cure_jax.models.kernels import gpu_grouped
@@ -335,7 +335,6 @@ class _Counter:
     if ins.opcode == "fusion":
       fused = self.comps[_called(ins.attrs, "calls")[0]]
       return sum(self._dot_flops(i, fused) for i in fused.instrs)
-    elements = sum(a.bytes / DTYPE_BYTES.get(a.dtype, 4) for a in _arrays(ins.shape))
     if ins.opcode == "convolution":
       return _convolution_flops(ins, comp)
     if ins.opcode != "dot":
@@ -345,7 +344,7 @@ class _Counter:
     k = 1
     for d in (contracted.group(1).split(",") if contracted and contracted.group(1) else []):
       k *= lhs[int(d)]
-    return 2.0 * k * elements
+    return 2.0 * k * sum(a.elements for a in _arrays(ins.shape))
 
   def _sent(self, ins: Instr, comp: Computation, kind: str) -> float:
     """Bytes one device sends for a collective (COLLECTIVE_RULE)."""
