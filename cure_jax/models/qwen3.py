@@ -160,8 +160,13 @@ class Qwen3(nnx.Module):
       if self.cfg.tie_embeddings:
         return numerics.matmul(hidden, self.embed_tokens.embedding[...], "vh,mh->vm")
       return numerics.matmul(hidden, self.lm_head.kernel[...], "mk,kn->mn")
-    w = self.embed_tokens.embedding[...] if self.cfg.tie_embeddings else self.lm_head.kernel[...].T
-    return einsum_f32("...h,vh->...v", hidden, w)
+    return einsum_f32("...h,vh->...v", hidden, self.head_weight())
+
+  def head_weight(self):
+    """The head's weights as vocabulary rows [V, H]: the embedding when tied."""
+    if self.cfg.tie_embeddings:
+      return self.embed_tokens.embedding[...]
+    return self.lm_head.kernel[...].T
 
   def head_rows(self, ids):
     """The head's weights of the vocabulary entries ids [N] only: [N, H] tied, else [H, N]."""

@@ -1,5 +1,6 @@
 """Online target features: the frozen target runs inside the training step, so the data is
-tokens only (4 bytes a token instead of n x hidden x 2: 40 KiB for Qwen3-8B's five layers).
+tokens and their labels only (8 bytes a token instead of n x hidden x 2: 40 KiB for Qwen3-8B's
+five layers).
 
 The target reads each sequence in chunks, as decoding's prefill does (models/kernels/prefix.py):
 every chunk attends to the cache written so far and causally to itself, so nothing [T, T] is

@@ -66,11 +66,12 @@ def lower(config, target, mesh, seq_len: int):
   target_params = place.annotate(target_params)
   vocab, h = target.cfg.vocab_size, target.cfg.hidden_size
   head_rows = int(config.train.vocab_subset) or vocab
-  n = min(int(config.train.loss_positions), cfg.block_size - 1)
+  weights = objective.position_weights(cfg.block_size, config.train.gamma,
+                                       config.train.loss_positions)
   frozen = dict(embed=_struct((vocab, h), target.dtype, mesh, P(sharding.MODEL, None)),
                 head=_struct((head_rows, h), target.dtype, mesh, P(sharding.MODEL, None)),
                 remap=_struct((vocab,), jnp.int32, mesh, P()),
-                weights=_struct((n,), jnp.float32, mesh, P()), target=target_params)
+                weights=_struct(weights.shape, jnp.float32, mesh, P()), target=target_params)
   online = objective.Online(target_graphdef, cfg.feature_layers, int(config.train.target_chunk))
   with jax.set_mesh(mesh):   # the TPU attention kernel runs per shard of this mesh
     return objective.train_step.lower(graphdef, hyper, online, state, frozen,
@@ -260,12 +261,10 @@ def random_inputs(config, target, seq_len: int, seed: int = 0):
   hyper = objective.Hyper.of(config.train)
   state = dict(params=params, opt_state=hyper.optimizer().init(params), step=jnp.int32(0))
   target_graphdef, target_params = nnx.split(target)
-  embed = target.embed_tokens.embedding[...]
-  head = embed if target.cfg.tie_embeddings else target.lm_head.kernel[...].T
-  n = min(int(config.train.loss_positions), cfg.block_size - 1)
-  frozen = dict(embed=embed, head=head, remap=jnp.arange(target.cfg.vocab_size, dtype=jnp.int32),
-                weights=jnp.asarray(objective.position_weights(cfg.block_size,
-                                                               config.train.gamma, n)),
+  frozen = dict(embed=target.embed_tokens.embedding[...], head=target.head_weight(),
+                remap=jnp.arange(target.cfg.vocab_size, dtype=jnp.int32),
+                weights=jnp.asarray(objective.position_weights(
+                    cfg.block_size, config.train.gamma, config.train.loss_positions)),
                 target=target_params)
   rng = np.random.default_rng(seed)
   batch = {k: jnp.asarray(rng.integers(1, max(seq_len - cfg.block_size, 2), v.shape)

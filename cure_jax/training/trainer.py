@@ -225,7 +225,7 @@ class Trainer:
     replicated = NamedSharding(self.mesh, P())
     by_vocab = NamedSharding(self.mesh, P(sharding.MODEL, None))       # vocabulary-parallel
     self.embed = target.embed_tokens.embedding[...]
-    head = self.embed if target.cfg.tie_embeddings else target.lm_head.kernel[...].T  # [V, H]
+    head = target.head_weight()                                         # [V, H]
     self.head = jax.device_put(head, by_vocab)
     vocab = head.shape[0]
     subset = np.arange(vocab)
