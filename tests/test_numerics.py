@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import common
 from cure_jax.analysis import random_models
@@ -15,31 +16,54 @@ from cure_jax.runtime import pipeline
 from tests.test_attention_kernels import _inputs, reference
 
 ROWS = [1, 2, 3, 8, 16, 17, 32, 33, 64, 100]
-# the embedded default's (SmolLM2-135M) products as the model runs them: q/o, k/v, gate/up, down
-# (x [M, K] x kernel [K, N]) and the tied head (embedding [V, H] first, the rows as columns)
-PRODUCTS = [(576, 576, "mk,kn->mn"), (576, 192, "mk,kn->mn"), (576, 1536, "mk,kn->mn"),
-            (1536, 576, "mk,kn->mn"), (576, 49152, "vh,mh->vm")]
+# the embedded default's (SmolLM2-135M) products as (K, N): q/o, k/v, gate/up, down and the tied
+# head, each a weight held as rows [N, K] times x [M, K]
+PRODUCTS = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 
 
-def _rows_alone_vs_together(product, k, n, spec, seed):
-  """Per M in ROWS, whether every row of product(x[:M]) equals that row computed alone."""
+def _rows_alone_vs_together(product, k, n, seed):
+  """Per M in ROWS, whether every row of product(x[:M], w [N, K]) equals that row computed
+  alone."""
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((max(ROWS), k)).astype(np.float32)
-  shape = (n, k) if spec.startswith("v") else (k, n)
-  w = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+  w = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32))
   f = jax.jit(product)
   alone = np.concatenate([np.asarray(f(jnp.asarray(x[i:i + 1]), w)) for i in range(max(ROWS))])
   return [np.array_equal(np.asarray(f(jnp.asarray(x[:m]), w)), alone[:m]) for m in ROWS]
 
 
-@pytest.mark.parametrize("k,n,spec", PRODUCTS)
-def test_matmul_rows_do_not_depend_on_the_rows_beside_them(k, n, spec):
-  """XLA:CPU multiplies one row through a GEMV and 2-32 rows through one GEMM kernel (33+ can
-  take another): the plain product's rows change with M; the invariant tiles' do not."""
-  tiles = lambda x, w: numerics.matmul(x, w, spec)                     # noqa: E731
-  plain = ((lambda x, w: x @ w.T) if spec.startswith("v") else (lambda x, w: x @ w))
-  assert all(_rows_alone_vs_together(tiles, k, n, spec, 0))
-  assert not all(_rows_alone_vs_together(plain, k, n, spec, 0))
+@pytest.mark.parametrize("k,n", PRODUCTS)
+def test_matmul_rows_do_not_depend_on_the_rows_beside_them(k, n):
+  """XLA:CPU multiplies one row through a GEMV and 2-16 rows weight-first through one GEMM
+  kernel (32 take another): the plain product's rows change with M; the invariant tiles' do
+  not."""
+  assert all(_rows_alone_vs_together(numerics.matmul, k, n, 0))
+  assert not all(_rows_alone_vs_together(lambda x, w: x @ w.T, k, n, 0))
+
+
+def test_invariant_mode_holds_every_kernel_as_rows_and_gives_them_back():
+  """Entering numerics=invariant holds each projection (and an untied head) as [out, in] rows,
+  the transposed kernel; leaving it restores the kernels bitwise. A mixture-of-experts target
+  is refused: its expert products are not row-invariant."""
+  target, _ = random_models.pair(random_models.Arch(tie=False), 0)
+  before = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(target))}
+  target.numerics = "invariant"
+  linears = [m for _, m in nnx.iter_modules(target) if isinstance(m, layers.Linear)]
+  assert len(linears) == 7 * target.cfg.num_layers + 1                  # + the untied head
+  held = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(target))}
+  assert not any(path[-1] == "kernel" for path in held)
+  for path, rows in held.items():
+    if path[-1] == "kernel_rows":
+      np.testing.assert_array_equal(rows, before[path[:-1] + ("kernel",)].T)
+  np.testing.assert_array_equal(target.head_weight(), before[("lm_head", "kernel")].T)
+  target.numerics = "default"
+  after = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(target))}
+  assert after.keys() == before.keys()
+  for path, value in before.items():
+    np.testing.assert_array_equal(after[path], value)
+  moe, _ = random_models.pair(random_models.Arch(experts=4, top_k=2), 0)
+  with pytest.raises(ValueError, match="mixture of experts"):
+    moe.numerics = "invariant"
 
 
 def test_norm_rows_do_not_depend_on_the_rows_beside_them():

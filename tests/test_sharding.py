@@ -86,8 +86,12 @@ def _device0_fraction(x: jax.Array) -> float:
 
 
 @on_mesh
-def test_parameters_take_one_mth_per_device():
+@pytest.mark.parametrize("numerics", ["default", "invariant"])
+def test_parameters_take_one_mth_per_device(numerics):
+  """Each big matrix is split four ways; held as rows (numerics=invariant), on the same axis of
+  the model (the rule reversed), so a q_proj's shard is its heads' rows."""
   target, drafter = random_models.pair(WIDE, 0)
+  target.numerics = numerics
   mesh = sharding.make_mesh(2, 4)
   _, state = nnx.split((target, drafter))
   sharded = sharding.shard_state(state, mesh)
@@ -101,6 +105,10 @@ def test_parameters_take_one_mth_per_device():
     assert _device0_fraction(x) == (0.25 if kind else 1.0), path
     seen.add(kind)
   assert seen == set(big) | {None}
+  q = next(v.get_value() for path, v in nnx.to_flat_state(sharded)
+           if path[0] == 0 and "q_proj" in path)   # the target's
+  heads_axis = 0 if numerics == "invariant" else 1
+  assert q.addressable_shards[0].data.shape[heads_axis] == q.shape[heads_axis] // 4
   total = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(sharded))
   on_dev0 = sum(_device0_fraction(v.get_value()) * v.get_value().nbytes
                 for _, v in nnx.to_flat_state(sharded))

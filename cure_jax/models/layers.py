@@ -43,11 +43,17 @@ class Linear(nnx.Linear):
   (Qwen3-Coder-30B-A3B, ar at batch 1, compiled for an H200: 3.3 of the step's 10.4 GB). There a
   zero second row keeps it a GEMM that reads the weight once; its output row is dropped. Other
   platforms multiply the one row as it is: on CPU the second row doubles the work of a
-  projection (target-only decoding 1.3x slower)."""
+  projection (target-only decoding 1.3x slower).
+
+  In numerics=invariant the kernel is held as rows, [out, in] (`kernel_rows`, set by
+  hold_rows), and multiplied weight-first (numerics.matmul): XLA:CPU runs a product of a few
+  rows by a [in, out] kernel through a GEMM that repacks the kernel on every call (30 layers of
+  the embedded default's projections at two rows: 1.4x the one-row GEMV's time), and one by
+  [out, in] rows, read in place, at the GEMV's speed."""
 
   def __call__(self, x):
     if numerics.invariant():
-      return numerics.matmul(x, self.kernel[...], "mk,kn->mn").astype(self.dtype)
+      return numerics.matmul(x, self.kernel_rows[...]).astype(self.dtype)
     if math.prod(x.shape[:-1]) != 1:
       return super().__call__(x)
     return jax.lax.platform_dependent(x, cuda=self._two_rows, default=super().__call__)
@@ -55,6 +61,33 @@ class Linear(nnx.Linear):
   def _two_rows(self, x):
     two = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))                   # [2, in]
     return super().__call__(two)[:1].reshape(x.shape[:-1] + (-1,))
+
+  @property
+  def held_as_rows(self) -> bool:
+    return hasattr(self, "kernel_rows")
+
+  def hold_rows(self, rows: bool) -> None:
+    """Holds the kernel as [out, in] `kernel_rows` (rows=True) or as nnx's [in, out] `kernel`:
+    one transposed copy, made once; a parameter is held one way only."""
+    if rows == self.held_as_rows:
+      return
+    if rows:
+      self.kernel_rows = nnx.Param(_transposed(self.kernel[...]))
+      del self.kernel
+    else:
+      self.kernel = nnx.Param(_transposed(self.kernel_rows[...]))
+      del self.kernel_rows
+
+  def columns(self):
+    """The kernel as [in, out], however it is held."""
+    return _transposed(self.kernel_rows[...]) if self.held_as_rows else self.kernel[...]
+
+
+def _transposed(x):
+  """x.T of an array, or of an abstract one (nnx.eval_shape's parameters, for compile-only)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape[::-1], x.dtype)
+  return x.T
 
 
 def linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:

@@ -19,8 +19,8 @@ from flax import nnx
 from cure_jax.models.cache import KVCache
 from cure_jax.models import numerics
 from cure_jax.models.kernels import prefix as prefix_attention
-from cure_jax.models.layers import (RMSNorm, Rope, SwiGLU, attend, einsum_f32, embed_lookup,
-                                    linear, rope_from_hf)
+from cure_jax.models.layers import (Linear, RMSNorm, Rope, SwiGLU, attend, einsum_f32,
+                                    embed_lookup, linear, rope_from_hf)
 from cure_jax.models.moe import MoEConfig, SparseMoE
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
@@ -149,7 +149,27 @@ class Qwen3(nnx.Module):
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
     if not cfg.tie_embeddings:
       self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
-    self.numerics = "default"   # numerics.MODES; the runtime sets it from config.numerics
+    self._numerics = "default"
+
+  @property
+  def numerics(self) -> str:
+    """The forward pass's numerics mode (numerics.MODES); the runtime sets it from
+    config.numerics. Setting "invariant" holds every projection's kernel as rows
+    (Linear.hold_rows), which that mode multiplies; setting "default" holds them back."""
+    return self._numerics
+
+  @numerics.setter
+  def numerics(self, mode: str) -> None:
+    if mode not in numerics.MODES:
+      raise ValueError(f"numerics={mode!r}: expected one of {', '.join(numerics.MODES)}")
+    if mode == "invariant" and self.cfg.moe:
+      raise ValueError("numerics=invariant covers dense targets; this one is a mixture of "
+                       "experts (its expert products are not row-invariant): use "
+                       "numerics=default")
+    for _, module in nnx.iter_modules(self):
+      if isinstance(module, Linear):
+        module.hold_rows(mode == "invariant")
+    self._numerics = mode
 
   def embed(self, tokens):
     return embed_lookup(self.embed_tokens.embedding[...], tokens)
@@ -157,28 +177,32 @@ class Qwen3(nnx.Module):
   def logits(self, hidden):
     """Float32 logits [..., V] from final hidden states [..., H]."""
     if self.numerics == "invariant":
-      if self.cfg.tie_embeddings:
-        return numerics.matmul(hidden, self.embed_tokens.embedding[...], "vh,mh->vm")
-      return numerics.matmul(hidden, self.lm_head.kernel[...], "mk,kn->mn")
+      return numerics.matmul(hidden, self.head_weight())
     return einsum_f32("...h,vh->...v", hidden, self.head_weight())
 
   def head_weight(self):
     """The head's weights as vocabulary rows [V, H]: the embedding when tied."""
     if self.cfg.tie_embeddings:
       return self.embed_tokens.embedding[...]
+    if self.lm_head.held_as_rows:
+      return self.lm_head.kernel_rows[...]
     return self.lm_head.kernel[...].T
 
+  def _head_by_rows(self) -> bool:
+    return self.cfg.tie_embeddings or self.lm_head.held_as_rows
+
   def head_rows(self, ids):
-    """The head's weights of the vocabulary entries ids [N] only: [N, H] tied, else [H, N]."""
-    if self.cfg.tie_embeddings:
-      return jnp.take(self.embed_tokens.embedding[...], ids, axis=0)
+    """The head's weights of the vocabulary entries ids [N] only: [N, H] when the head is held
+    as rows (tied, or numerics=invariant), else [H, N]."""
+    if self._head_by_rows():
+      return jnp.take(self.head_weight(), ids, axis=0)
     return jnp.take(self.lm_head.kernel[...], ids, axis=1)
 
   def logits_rows(self, hidden, ids, rows=None):
     """Float32 logits [..., N] of the vocabulary entries ids [N] only: the head read is N of its
     V rows (a drafter that scores a reduced vocabulary); rows: head_rows(ids), gathered before."""
     w = self.head_rows(ids) if rows is None else rows
-    spec = "...h,nh->...n" if self.cfg.tie_embeddings else "...h,hn->...n"
+    spec = "...h,nh->...n" if self._head_by_rows() else "...h,hn->...n"
     return einsum_f32(spec, hidden, w)
 
   def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = (),

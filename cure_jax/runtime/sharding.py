@@ -83,10 +83,13 @@ def _path_str(path) -> str:
 
 
 def spec_for(path, shape: Sequence[int], mesh: Mesh) -> P:
-  """The PartitionSpec of one parameter; checks that its sharded axes divide evenly."""
+  """The PartitionSpec of one parameter; checks that its sharded axes divide evenly. A kernel
+  held as rows (`kernel_rows` [out, in], numerics=invariant) takes its kernel's rule reversed."""
   name = _path_str(path)
+  rows = name.endswith("/kernel_rows")
   for pattern, spec, field in RULES:
-    if re.search(pattern, name):
+    if re.search(pattern, name[:-len("_rows")] if rows else name):
+      spec = spec[::-1] if rows else spec
       break
   else:
     raise ValueError(f"no partition rule for parameter {name} {tuple(shape)}; add one to RULES "

@@ -115,12 +115,12 @@ def init_from_target(drafter: DFlash, target, first_layer: int, seed: int) -> No
   for i, layer in enumerate(drafter.layers):
     src = target.layers[first_layer + i]
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      getattr(layer.self_attn, name).kernel[...] = getattr(src.self_attn, name).kernel[...]
+      getattr(layer.self_attn, name).kernel[...] = getattr(src.self_attn, name).columns()
     if target.cfg.qk_norm:  # a Llama target has none: the drafter's stay at 1
       for name in ("q_norm", "k_norm"):
         getattr(layer.self_attn, name).weight[...] = getattr(src.self_attn, name).weight[...]
     for name in ("gate_proj", "up_proj", "down_proj"):
-      getattr(layer.mlp, name).kernel[...] = getattr(src.mlp, name).kernel[...]
+      getattr(layer.mlp, name).kernel[...] = getattr(src.mlp, name).columns()
     layer.input_layernorm.weight[...] = src.input_layernorm.weight[...]
     layer.post_attention_layernorm.weight[...] = src.post_attention_layernorm.weight[...]
   drafter.norm.weight[...] = target.norm.weight[...]
