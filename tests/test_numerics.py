@@ -11,6 +11,7 @@ from flax import nnx
 from configs import common
 from cure_jax.analysis import random_models
 from cure_jax.models import layers, numerics
+from cure_jax.models.qwen3 import Qwen3
 from cure_jax.models.kernels import prefix as prefix_attention
 from cure_jax.runtime import pipeline
 from tests.test_attention_kernels import _inputs, reference
@@ -61,6 +62,10 @@ def test_invariant_mode_holds_every_kernel_as_rows_and_gives_them_back():
   assert after.keys() == before.keys()
   for path, value in before.items():
     np.testing.assert_array_equal(after[path], value)
+  abstract = nnx.eval_shape(lambda: Qwen3(target.cfg))        # as experiments.aot builds it
+  abstract.numerics = "invariant"
+  q_rows = abstract.layers[0].self_attn.q_proj.kernel_rows.get_value()
+  assert q_rows.shape == before[("layers", 0, "self_attn", "q_proj", "kernel")].shape[::-1]
   moe, _ = random_models.pair(random_models.Arch(experts=4, top_k=2), 0)
   with pytest.raises(ValueError, match="mixture of experts"):
     moe.numerics = "invariant"

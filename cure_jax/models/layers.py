@@ -72,10 +72,10 @@ class Linear(nnx.Linear):
     if rows == self.held_as_rows:
       return
     if rows:
-      self.kernel_rows = nnx.Param(_transposed(self.kernel[...]))
+      self.kernel_rows = nnx.Param(_transposed(self.kernel.get_value()))
       del self.kernel
     else:
-      self.kernel = nnx.Param(_transposed(self.kernel_rows[...]))
+      self.kernel = nnx.Param(_transposed(self.kernel_rows.get_value()))
       del self.kernel_rows
 
   def columns(self):
