@@ -194,15 +194,18 @@ def test_unknown_config_fields_name_the_nearest():
 
 def test_run_settings_are_checked_before_loading(pair):
   from configs.common import base_config
-  for field, value, says in [
-      ("batch_size", -2, "batch_size=-2 must be a positive integer (prompts decoded together)"),
-      ("max_len", -5, "max_len=-5 must be >= 0 (the static cache length; 0 = each prompt's "),
-      ("num_prompts", -1, "num_prompts=-1 must be >= 0 (the first N prompts; 0 = all)"),
-      ("drafter.gamma", 0, "drafter.gamma=0 must be a positive integer (ar_draft: drafted "),
-      ("numerics", "exact", "numerics='exact' must be one of default, invariant")]:
+  for settings, says in [
+      ({"batch_size": -2}, "batch_size=-2 must be a positive integer (prompts decoded together)"),
+      ({"max_len": -5}, "max_len=-5 must be >= 0 (the static cache length; 0 = each prompt's "),
+      ({"num_prompts": -1}, "num_prompts=-1 must be >= 0 (the first N prompts; 0 = all)"),
+      ({"drafter.gamma": 0}, "drafter.gamma=0 must be a positive integer (ar_draft: drafted "),
+      ({"numerics": "exact"}, "numerics='exact' must be one of default, invariant"),
+      ({"numerics": "invariant", "max_len": 2 ** 19},   # int64 sums hold 2^19 terms of 2^44
+       "max_len=524288: numerics=invariant sums attention exactly over fewer than 524288 keys")]:
     config = base_config()
-    node = config.drafter if field.startswith("drafter.") else config
-    node[field.split(".")[-1]] = value
+    for field, value in settings.items():
+      node = config.drafter if field.startswith("drafter.") else config
+      node[field.split(".")[-1]] = value
     with pytest.raises(ValueError) as e:
       pipeline.check_config(config)
     assert str(e.value).startswith(says)

@@ -12,6 +12,7 @@ from configs import common
 from cure_jax.analysis import random_models
 from cure_jax.models import layers, numerics
 from cure_jax.models.qwen3 import Qwen3
+from cure_jax.models.kernels import gpu_rows
 from cure_jax.models.kernels import prefix as prefix_attention
 from cure_jax.runtime import pipeline
 from tests.test_attention_kernels import _inputs, reference
@@ -40,6 +41,23 @@ def test_matmul_rows_do_not_depend_on_the_rows_beside_them(k, n):
   not."""
   assert all(_rows_alone_vs_together(numerics.matmul, k, n, 0))
   assert not all(_rows_alone_vs_together(lambda x, w: x @ w.T, k, n, 0))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (17, 96, 64), (40, 256, 128)])
+def test_gpu_kernel_tiles_give_the_product_with_rows_alone(m, k, n):
+  """gpu_rows' kernel in Pallas interpret mode: the product of float32 inputs to within float32
+  sums of K terms (|error| <= K * 2^-24 * sum |x||w| per entry), and each row bitwise what it is
+  computed alone: tiles of fixed size, whatever M (K and N take 3 tile sizes between them)."""
+  rng = np.random.default_rng(m)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((n, k)).astype(np.float32)
+  f = jax.jit(lambda a, b: gpu_rows.product(a, b, interpret=True))
+  got = np.asarray(f(jnp.asarray(x), jnp.asarray(w)))
+  bound = k * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
+  assert (np.abs(got - x.astype(np.float64) @ w.astype(np.float64).T) <= bound).all()
+  for i in (0, m - 1):
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[i:i + 1]), jnp.asarray(w)))[0],
+                                  got[i])
 
 
 def test_invariant_mode_holds_every_kernel_as_rows_and_gives_them_back():

@@ -9,19 +9,21 @@ context's keys lie (cache or new tokens), and greedy decoding can flip at near-t
 
 "invariant": the logits of a sequence at position p are a function of its tokens up to p alone,
 bitwise, whatever else is computed with them:
-- matmuls run on row tiles of MIN_ROWS..MAX_ROWS rows, each tile one product taken
+- matmuls on CPU run on row tiles of MIN_ROWS..MAX_ROWS rows, each tile one product taken
   weight-first over the weight's [out, in] rows: XLA:CPU computes every row of such a product
   the same way (tests/test_numerics.py proves it for the embedded default's shapes; one row
   alone is padded to two). The kernel a product takes depends on its reduction length too: at
   K = 4,096 rows stay invariant up to 8 per tile, at 12,288 up to 3 (measured, jax 0.10.2);
-  the tile sizes here are the embedded default's;
+  the tile sizes here are the embedded default's. On an NVIDIA GPU (one device) every product
+  is gpu_rows' kernel, whose tiles do not depend on the number of rows (compiled, not yet run
+  on a GPU);
 - norms sum their squares as an explicit pairwise tree of elementwise adds (each add is IEEE,
   the same in any vectorisation);
 - attention computes each score as an explicit tree over the head dimension, takes the maximum
   over the visible keys (exact in any order), and sums the softmax's weights and weighted values
   exactly: every term is cut to a common grid (pre-rounding, as in Demmel & Nguyen's
-  reproducible summation) and summed as integers, so the sum is the same in any order and any
-  split between cache and new tokens.
+  reproducible summation) and summed as int64 integers, so the sum is the same in any order and
+  any split between cache and new tokens.
 The mode is a trace-time setting (`with numerics.mode("invariant"):`), entered by the target's
 forward pass; a mesh changes how each product is split, so invariance holds for one mesh.
 """
@@ -33,6 +35,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from cure_jax.models.kernels import gpu_rows
 
 MODES = ("default", "invariant")
 MIN_ROWS, MAX_ROWS = 2, 16   # rows per matmul tile in invariant mode (XLA:CPU: tests/test_numerics)
@@ -58,23 +62,33 @@ def invariant() -> bool:
 
 def matmul(x, rows):
   """x [..., K] times weight rows [N, K] (an [out, in] kernel, a head's vocabulary rows), summed
-  in float32, as [..., N]: x's rows computed in tiles of MIN_ROWS..MAX_ROWS, each tile one
-  product taken weight-first (rows x tile^T, the weight read as it lies; the tile's columns come
-  back transposed)."""
+  in float32, as [..., N], each row the same whatever rows are beside it: on NVIDIA GPUs through
+  gpu_rows' fixed tiles (on one device; under a mesh as below), elsewhere as _row_tiles."""
   lead, k = x.shape[:-1], x.shape[-1]
-  n = math.prod(lead)
-  flat = x.reshape(n, k).astype(jnp.float32)
+  flat = x.reshape(-1, k)
+  mesh = jax.sharding.get_abstract_mesh()
+  if gpu_rows.tiles(k, rows.shape[0]) and (mesh.empty or mesh.size == 1):
+    out = jax.lax.platform_dependent(flat, rows, cuda=gpu_rows.product, default=_row_tiles)
+  else:
+    out = _row_tiles(flat, rows)
+  return out.reshape(lead + (-1,))
+
+
+def _row_tiles(x, rows):
+  """x [M, K] times rows [N, K] in float32: x's rows computed in tiles of MIN_ROWS..MAX_ROWS,
+  each tile one product taken weight-first (rows x tile^T, the weight read as it lies; the
+  tile's columns come back transposed)."""
+  n, k = x.shape
+  flat = x.astype(jnp.float32)
   w = rows.astype(jnp.float32)
   product = lambda t: jax.lax.optimization_barrier(jnp.einsum("nk,mk->nm", w, t)).T  # noqa: E731
   if n <= MAX_ROWS:
     padded = jnp.pad(flat, ((0, max(MIN_ROWS - n, 0)), (0, 0)))
-    out = product(padded)[:n]
-  else:
-    tiles = -(-n // MAX_ROWS)
-    padded = jnp.pad(flat, ((0, tiles * MAX_ROWS - n), (0, 0)))
-    out = jax.lax.map(product, padded.reshape(tiles, MAX_ROWS, k))
-    out = out.reshape(tiles * MAX_ROWS, -1)[:n]
-  return out.reshape(lead + (-1,))
+    return product(padded)[:n]
+  tiles = -(-n // MAX_ROWS)
+  padded = jnp.pad(flat, ((0, tiles * MAX_ROWS - n), (0, 0)))
+  out = jax.lax.map(product, padded.reshape(tiles, MAX_ROWS, k))
+  return out.reshape(tiles * MAX_ROWS, -1)[:n]
 
 
 def tree_sum(x, axis: int = -1):
@@ -90,30 +104,24 @@ def tree_sum(x, axis: int = -1):
   return total
 
 
-# exact sums: terms cut to the grid 2^(e - _GRID) of their common bound 2^e, as three 15-bit
-# integer limbs; int32 limb sums stay exact for up to 2^16 terms
-_GRID, _LIMB = 44, 15
+# exact sums: terms cut toward zero to the grid 2^(e - _GRID) of their common bound 2^e and
+# summed as int64 integers, exact for up to 2^(63 - _GRID) terms
+_GRID = 44
+MAX_TERMS = 2 ** (63 - _GRID)
 
 
-def _limb_sums(x, e, axis: int):
-  """Sums over `axis` of x (|x| < 2^e) cut toward zero to the grid 2^(e - _GRID), as three int32
-  limb sums (exact, so in any order). Each limb is its own reduction so that XLA fuses the
-  terms into it rather than writing them out; every step is exact in float32 (a magnitude below
-  2^_GRID split at 2^30 and 2^15, by powers of two)."""
-  scaled = jnp.abs(x) * _power_of_two(_GRID - e)
-  sign = jnp.sign(x)
-  hi = jnp.floor(scaled * 2.0 ** (-2 * _LIMB))
-  rest = scaled - hi * 2.0 ** (2 * _LIMB)
-  mid = jnp.floor(rest * 2.0 ** -_LIMB)
-  lo = jnp.floor(rest - mid * 2.0 ** _LIMB)
-  return tuple((limb * sign).astype(jnp.int32).sum(axis) for limb in (hi, mid, lo))
-
-
-def _from_limbs(sums, e):
-  """The float32 value of integer limb sums (hi, mid, lo) on the grid 2^(e - _GRID)."""
-  hi, mid, lo = (x.astype(jnp.float32) for x in sums)
-  total = (hi * 2.0 ** (2 * _LIMB) + mid * 2.0 ** _LIMB) + lo
-  return total * _power_of_two(e - _GRID)
+def _exact_sum(parts, e, axis: int):
+  """The sum over `axis` of every x in parts (|x| < 2^e, e of the sum's shape), rounded once to
+  float32: each term is cut toward zero to the grid 2^(e - _GRID) and the terms are summed as
+  int64, exactly, so in any order and any split between the parts. A float32 times a power of
+  two, converted to int64, is the one step per term (XLA:CPU vectorises both; three int32 limbs
+  of 15 bits took 3-6x longer for the embedded default's attention)."""
+  terms = jnp.expand_dims(e, axis)
+  scale = _power_of_two(_GRID - terms)
+  with jax.enable_x64(True):
+    total = sum((x * scale).astype(jnp.int64).sum(axis) for x in parts)
+    value = total.astype(jnp.float32)
+  return value * _power_of_two(e - _GRID)
 
 
 def _power_of_two(n):
@@ -122,14 +130,13 @@ def _power_of_two(n):
   return jax.lax.bitcast_convert_type((n + 127).astype(jnp.int32) << 23, jnp.float32)
 
 
-def _add(a, b):
-  return tuple(x + y for x, y in zip(a, b))
-
-
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
   """layers.attend in invariant mode (shapes there); exact in any order and any split of the
-  keys between cache and new tokens. Cost: every score and weighted value is elementwise work,
-  rows x keys x head size, with no matmul library."""
+  keys between cache and new tokens, for up to MAX_TERMS keys. Cost: every score and weighted
+  value is elementwise work, rows x keys x head size, with no matmul library."""
+  if k_old.shape[2] + k_new.shape[2] > MAX_TERMS:
+    raise ValueError(f"numerics=invariant attends at most {MAX_TERMS} keys exactly; the cache "
+                     f"holds {k_old.shape[2]} and {k_new.shape[2]} new: lower max_len")
   q, k_new, v_new = _materialized(q, k_new, v_new)
   b, a, t, h, d = q.shape
   kvh = k_old.shape[1]
@@ -147,15 +154,14 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
   top = jnp.maximum(s_old.max(-1, initial=_NEG), s_new.max(-1, initial=_NEG))[..., None]
   p_old = jnp.where(seen_old, jnp.exp(s_old - top), 0.0)
   p_new = jnp.where(seen_new, jnp.exp(s_new - top), 0.0)
-  one = jnp.ones((), jnp.int32)                                          # p <= 1 < 2^1
-  total = _from_limbs(_add(_limb_sums(p_old, one, -1), _limb_sums(p_new, one, -1)), one)
+  one = jnp.ones(top.shape[:-1], jnp.int32)                               # p <= 1 < 2^1
+  total = _exact_sum((p_old, p_new), one, -1)                            # [B, A, T, KVH, G]
   bound = jnp.maximum(_visible_max(vo, seen_old), _visible_max(vn, seen_new))
   _, e = jnp.frexp(bound)                                 # bound < 2^e, [B, A, T, KVH, G, D]
   e = jnp.maximum(e, _GRID - 126)      # a bound below 2^-82 is taken as 2^-82 (a finite scale)
   p_old, p_new, e = _materialized(p_old, p_new, e)
-  sums = _add(_limb_sums(p_old[..., None] * vo, e[..., None, :], -2),
-              _limb_sums(p_new[..., None] * vn, e[..., None, :], -2))   # 3 x [B, A, T, KVH, G, D]
-  out = _from_limbs(sums, e) / jnp.where(total > 0, total, 1.0)[..., None]
+  sums = _exact_sum((p_old[..., None] * vo, p_new[..., None] * vn), e, -2)  # [B,A,T,KVH,G,D]
+  out = sums / jnp.where(total > 0, total, 1.0)[..., None]
   return out.reshape(b, a, t, h, d).astype(q.dtype)
 
 

@@ -105,6 +105,10 @@ def check_config(config) -> None:
   numerics_mode = config.get("numerics", "default")
   if numerics_mode not in numerics.MODES:
     problems.append(f"numerics={numerics_mode!r} must be one of {', '.join(numerics.MODES)}")
+  max_len = config.get("max_len", 0)
+  if numerics_mode == "invariant" and isinstance(max_len, int) and max_len >= numerics.MAX_TERMS:
+    problems.append(f"max_len={max_len}: numerics=invariant sums attention exactly over fewer "
+                    f"than {numerics.MAX_TERMS} keys; lower max_len")
   if problems:
     raise ValueError("; ".join(problems))
 
