@@ -38,6 +38,10 @@ def base_config() -> ml_collections.ConfigDict:
   config.numerics = "default"       # default | invariant: the target's logits at a position
                                     # bitwise the same at any batch, tree or prefill chunk
                                     # (cure_jax/models/numerics.py; dense targets, CPU)
+  config.layer_kernels = True       # NVIDIA GPUs: decoding's rows (up to 256) through each
+                                    # dense target layer as five Pallas kernels
+                                    # (cure_jax/models/kernels/gpu_layer.py); False:
+                                    # XLA's fusions
   config.prompts = ""               # JSONL: {"prompt": text} or {"prompt_ids": [ints]} per line
   config.num_prompts = 0            # 0: all
   config.chat_template = True       # wrap text prompts in the tokenizer's chat template

@@ -449,6 +449,7 @@ def main(argv):
   needs_drafter = any(m != "ar" for m in names)
   target, drafter = abstract_pair(target_dir, drafter_dir if needs_drafter else None, dtype)
   target.numerics = config.get("numerics", "default")       # models/numerics.py
+  target.layer_kernels = bool(config.get("layer_kernels", True))  # models/kernels/gpu_layer.py
   sharding.check_models(mesh, target, drafter)
   for b in batches:
     if b % mesh.shape[sharding.DATA]:
@@ -462,6 +463,7 @@ def main(argv):
               mesh=[int(mesh.shape["data"]), int(mesh.shape["model"])], dtype=config.dtype,
               max_len=_MAX_LEN.value, prompt_len=_PROMPT.value, jax=jax.__version__,
               prefill_chunk=int(config.prefill_chunk), numerics=target.numerics,
+              layer_kernels=target.layer_kernels,
               compiler_options=options, draft_vocab=len(vocab), draft_vocab_ids=vocab_from)
   records = []
   for case in cases(programs, names, v_maxes, batches):

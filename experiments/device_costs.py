@@ -46,6 +46,7 @@ from cure_jax.analysis import random_models
 from cure_jax.checkpoints import dflash as convert_dflash, qwen3 as convert_qwen3
 from cure_jax.checkpoints.store import read_hf_config
 from cure_jax.costs import efficiency
+from cure_jax.models.kernels import gpu_layer
 from cure_jax.runtime import cost_curve, decoding, errors, files
 from cure_jax.runtime.generation import Generator, decoding_spec
 from cure_jax.tree import controller, repair
@@ -251,6 +252,16 @@ def _loop_programs(block: int) -> list[tuple[str, int, repair.RepairConfig | Non
   return out + [("cure", 64, cure), ("auto", block, None)]
 
 
+def _loop_variants(block: int, batch: int):
+  """(method, nodes, tree settings, layer_kernels) in order: ar, chain and ddtree where the
+  target's layers take gpu_layer's kernels again with XLA's fusions, so that the timing decides
+  between them."""
+  for method, nodes, cure in _loop_programs(block):
+    yield method, nodes, cure, True
+    if method in ("ar", "chain", "ddtree") and batch * nodes <= gpu_layer.MAX_ROWS:
+      yield method, nodes, cure, False
+
+
 def loops() -> dict:
   """ms per iteration of each compiled decode loop and its count at the measured figures."""
   from cure_jax.costs import hlo_traffic
@@ -261,9 +272,10 @@ def loops() -> dict:
   records = []
   for batch in _ints(_LOOP_BATCHES.value):
     prompts = rng.integers(0, 1000, (batch, 64)).tolist()
-    for method, nodes, cure in _loop_programs(drafter.cfg.block_size):
-      if not _in_time(f"loops {method}/{nodes} batch {batch}"):
+    for method, nodes, cure, kernels in _loop_variants(drafter.cfg.block_size, batch):
+      if not _in_time(f"loops {method}/{nodes} batch {batch} layer_kernels={kernels}"):
         continue
+      target.layer_kernels = kernels
       try:
         gen = Generator(target, drafter if method != "ar" else None, method=method, cure=cure,
                         max_new_tokens=_LOOP_TOKENS.value)
@@ -271,17 +283,20 @@ def loops() -> dict:
         results = gen.generate(prompts)
       except Exception as e:  # e.g. out of memory: the next program still runs
         print(f"loops {method}/{nodes} batch {batch}: FAILED {type(e).__name__}: {e}"[:400])
-        records.append(dict(method=method, batch=batch, nodes=nodes, failed=str(e)[:2000]))
+        records.append(dict(method=method, batch=batch, nodes=nodes, layer_kernels=kernels,
+                            failed=str(e)[:2000]))
         continue
       iterations = max(r.iterations for r in results)
       ms = 1000.0 * results[0].decode_s / iterations
       it = hlo_traffic.count(gen.compiled_decode(batch, 64).as_text())["loops"][0]
       count_ms = 1000.0 * max(it["hbm_bytes"] / (gbps * 1e9), it["dot_flops"] / (tflops * 1e12))
-      records.append(dict(method=method, batch=batch, nodes=nodes, ms_per_iteration=ms,
+      records.append(dict(method=method, batch=batch, nodes=nodes, layer_kernels=kernels,
+                          ms_per_iteration=ms,
                           count_ms=count_ms, ratio=ms / count_ms, iterations=iterations,
                           hbm_bytes=it["hbm_bytes"], flops=it["dot_flops"],
                           device=jax.devices()[0].device_kind, jax=jax.__version__))
-      print(f"loops {method}/{nodes} batch {batch}: {ms:.2f} ms per iteration, count "
+      print(f"loops {method}/{nodes} batch {batch} layer_kernels={kernels}: {ms:.2f} ms per "
+            f"iteration, count "
             f"{count_ms:.2f} ms ({ms / count_ms:.2f}x; {it['hbm_bytes'] / 1e9:.2f} GB, "
             f"{it['dot_flops'] / 1e12:.3f} TFLOP an iteration)", flush=True)
       files.write_json(str(Path(_OUTPUT_DIR.value) / "loops.json"),   # so far, in case of a kill
@@ -296,9 +311,11 @@ def loops_markdown(result: dict) -> str:
            f"HBM {result['hbm_gbps']:.0f} GB/s (copy), bf16 GEMM {result['bf16_tflops']:.1f} "
            "TFLOP/s, both measured here; count = max(bytes / bandwidth, FLOPs / peak) of one "
            "iteration of the same compiled program.", "",
-           "| method | nodes | batch | ms / iteration | count ms | ratio |", "|---|---|---|---|---|---|"]
+           "| method | nodes | batch | layer kernels | ms / iteration | count ms | ratio |",
+           "|---|---|---|---|---|---|---|"]
   for r in (r for r in result["records"] if "failed" not in r):
-    lines.append(f"| {r['method']} | {r['nodes']} | {r['batch']} | {r['ms_per_iteration']:.2f} | "
+    lines.append(f"| {r['method']} | {r['nodes']} | {r['batch']} | "
+                 f"{r.get('layer_kernels', True)} | {r['ms_per_iteration']:.2f} | "
                  f"{r['count_ms']:.2f} | {r['ratio']:.2f} |")
   return "\n".join(lines) + "\n"
 

@@ -27,14 +27,16 @@ def test_loops_part_times_every_program_beside_its_count(tmp_path):
   data = json.loads((tmp_path / "loops.json").read_text())
   assert data["ok"] and "partial" not in data and data["hbm_gbps"] > 0 and data["bf16_tflops"] > 0
   records = data["records"]
-  assert [(r["method"], r["nodes"]) for r in records] == [
-      ("ar", 1), ("chain", 16), ("ddtree", 16), ("cure", 64), ("auto", 16)]
+  # ar, chain and ddtree also with layer_kernels off, beside the default
+  assert [(r["method"], r["nodes"], r["layer_kernels"]) for r in records] == [
+      ("ar", 1, True), ("ar", 1, False), ("chain", 16, True), ("chain", 16, False),
+      ("ddtree", 16, True), ("ddtree", 16, False), ("cure", 64, True), ("auto", 16, True)]
   for r in records:
     assert r["batch"] == 1 and r["device"] == "cpu" and r["ms_per_iteration"] > 0
     assert r["count_ms"] > 0 and r["iterations"] >= 1
     # every iteration verifies with the whole target: its layers and head are read at least once
     assert r["hbm_bytes"] >= LAYERS * LAYER_WEIGHTS + HEAD, r
-  flops = {r["method"]: r["flops"] for r in records}
+  flops = {r["method"]: r["flops"] for r in records if r["layer_kernels"]}
   # one row through the target, a 16-token block (and the drafter), a 64-node tree
   assert flops["ar"] < flops["chain"] < flops["cure"]
   assert "| ddtree | 16 | 1 |" in (tmp_path / "loops.md").read_text()

@@ -153,16 +153,22 @@ class Rope:
     return (self.head_dim * math.log(self.original_max_position / (rotations * 2 * math.pi)) /
             (2 * math.log(self.theta)))
 
-  def __call__(self, x, positions):
-    """Rotates x [..., T, heads, D] by positions [..., T] (HF's rotate_half layout)."""
+  def phases(self, positions):
+    """cos and sin [..., T, D/2] float32 of positions [..., T]: both halves of a head turn by
+    the same angles."""
     angles = positions.astype(jnp.float32)[..., None] * self.inv_freq()  # [..., T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]    # [..., T, 1, D]
-    x32 = x.astype(jnp.float32)
-    half = self.head_dim // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if self.attention_factor != 1.0:
       cos, sin = cos * self.attention_factor, sin * self.attention_factor
+    return cos, sin
+
+  def __call__(self, x, positions):
+    """Rotates x [..., T, heads, D] by positions [..., T] (HF's rotate_half layout)."""
+    cos, sin = (jnp.concatenate([p, p], axis=-1)[..., None, :]             # [..., T, 1, D]
+                for p in self.phases(positions))
+    x32 = x.astype(jnp.float32)
+    half = self.head_dim // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 

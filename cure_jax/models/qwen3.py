@@ -18,7 +18,7 @@ from flax import nnx
 
 from cure_jax.models.cache import KVCache
 from cure_jax.models import numerics
-from cure_jax.models.kernels import prefix as prefix_attention
+from cure_jax.models.kernels import gpu_layer, prefix as prefix_attention
 from cure_jax.models.layers import (Linear, RMSNorm, Rope, SwiGLU, attend, einsum_f32,
                                     embed_lookup, linear, rope_from_hf)
 from cure_jax.models.moe import MoEConfig, SparseMoE
@@ -106,10 +106,16 @@ class Attention(nnx.Module):
     if isinstance(mask, prefix_attention.Prefix):
       out, k, v = prefix_attention.attend(q, k_old, v_old, k, v, mask)     # [B, T, H, D]
     else:
-      s = k_old.shape[2]
-      out = attend(q[:, None], k_old, v_old, k[:, None], v[:, None], mask[:, None, :, :s],
-                   mask[:, None, :, s:])[:, 0]                            # [B, T, H, D]
+      out = cached(q, k, v, k_old, v_old, mask)
     return self.o_proj(out.reshape(b, t, -1)), (k, v)
+
+
+def cached(q, k, v, k_old, v_old, mask):
+  """Attention of q [B, T, H, D] over the cache and the new k, v [B, T, KVH, D] under mask
+  [B, T, S + T]: [B, T, H, D]."""
+  s = k_old.shape[2]
+  return attend(q[:, None], k_old, v_old, k[:, None], v[:, None], mask[:, None, :, :s],
+                mask[:, None, :, s:])[:, 0]
 
 
 class DecoderLayer(nnx.Module):
@@ -120,10 +126,52 @@ class DecoderLayer(nnx.Module):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
 
-  def __call__(self, x, positions, k_old, v_old, mask):
+  def __call__(self, x, positions, k_old, v_old, mask, kernels: bool = False):
+    """kernels: on an NVIDIA GPU, decoding's rows (up to gpu_layer.MAX_ROWS) go through
+    gpu_layer's kernels (`through_kernels`) where they take the layer."""
+    if kernels and self._kernels_take(x, mask):
+      return on_gpu(self.through_kernels, self._xla, x, positions, k_old, v_old, mask)
+    return self._xla(x, positions, k_old, v_old, mask)
+
+  def _xla(self, x, positions, k_old, v_old, mask):
     attn, kv = self.self_attn(self.input_layernorm(x), positions, k_old, v_old, mask)
     x = x + attn
     return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+  def _kernels_take(self, x, mask) -> bool:
+    cfg = self.self_attn.cfg
+    mesh = jax.sharding.get_abstract_mesh()
+    return (isinstance(self.mlp, SwiGLU) and not isinstance(mask, prefix_attention.Prefix)
+            and not numerics.invariant() and (mesh.empty or mesh.size == 1)
+            and gpu_layer.takes(x.shape[0] * x.shape[1], cfg.hidden_size,
+                                cfg.intermediate_size, cfg.head_dim))
+
+  def through_kernels(self, x, positions, k_old, v_old, mask, *, interpret: bool = False):
+    """__call__ as gpu_layer's kernels (x [B, T, H], B x T rows at most gpu_layer.MAX_ROWS)."""
+    attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.cfg
+    b, t, hidden = x.shape
+    d = cfg.head_dim
+    rows = x.reshape(b * t, hidden)
+    cos, sin = (p.reshape(b * t, d // 2) for p in cfg.rope.phases(positions))
+    norms = (attn.q_norm.weight[...], attn.k_norm.weight[...]) if cfg.qk_norm else (None, None)
+    q, k, v = gpu_layer.qkv(rows, self.input_layernorm.weight[...], attn.q_proj.kernel[...],
+                            attn.k_proj.kernel[...], attn.v_proj.kernel[...], *norms, cos, sin,
+                            eps=cfg.rms_eps, head_dim=d, interpret=interpret)
+    k, v = (y.reshape(b, t, cfg.num_kv_heads, d) for y in (k, v))
+    out = cached(q.reshape(b, t, cfg.num_heads, d), k, v, k_old, v_old, mask)
+    rows = gpu_layer.project(out.reshape(b * t, -1), attn.o_proj.kernel[...], rows,
+                             interpret=interpret)
+    h = gpu_layer.swiglu(rows, self.post_attention_layernorm.weight[...],
+                         mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], eps=cfg.rms_eps,
+                         interpret=interpret)
+    rows = gpu_layer.project(h, mlp.down_proj.kernel[...], rows, interpret=interpret)
+    return rows.reshape(b, t, hidden), (k, v)
+
+
+def on_gpu(gpu, other, *args):
+  """gpu(*args) on NVIDIA GPUs, other(*args) elsewhere (the tests' seam to run the GPU form,
+  interpreted, on CPU)."""
+  return jax.lax.platform_dependent(*args, cuda=gpu, default=other)
 
 
 class Output(NamedTuple):
@@ -150,6 +198,7 @@ class Qwen3(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
     self._numerics = "default"
+    self.layer_kernels = True   # NVIDIA GPUs: decoding's rows through gpu_layer's kernels
 
   @property
   def numerics(self) -> str:
@@ -225,7 +274,7 @@ class Qwen3(nnx.Module):
     states = {0: x}
     ks, vs = [], []
     for i, layer in enumerate(self.layers[:depth]):
-      x, (k, v) = layer(x, positions, cache.k[i], cache.v[i], mask)
+      x, (k, v) = layer(x, positions, cache.k[i], cache.v[i], mask, self.layer_kernels)
       ks.append(k)
       vs.append(v)
       states[i + 1] = x

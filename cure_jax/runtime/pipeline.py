@@ -146,6 +146,7 @@ def load_target(config):
   distributed.announce_devices()   # once per run: the devices the model goes to
   target = _qwen3(config, config.target.path)
   target.numerics = config.get("numerics", "default")      # refuses invariant for MoE
+  target.layer_kernels = bool(config.get("layer_kernels", True))
   return target
 
 

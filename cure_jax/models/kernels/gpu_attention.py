@@ -13,6 +13,10 @@ so HBM sees the queries, the cache, the masks, the new tokens and small per-rang
   program past it reads nothing: a 300-token context reads 300 slots, not `max_len`.
 - *Tree masks.* Each query row has its own mask over the cache and over the new tokens (a tree's
   ancestors, a drafter block's own tokens), int8; the last range's program attends the new ones.
+- *No padded copies.* Rows come in blocks of 16 and new tokens in a power-of-two block of at
+  least 16 (Triton's dot); the rows and tokens past the real ones are masked loads and stores, so
+  a single query needs no padded copy of q, the new keys and values, or the masks (three to five
+  small kernels per layer before).
 
 The kernel has no gradient (training passes kernel=False) and is tested on CPU in Pallas
 interpret mode against attention written out in numpy.
@@ -63,13 +67,19 @@ def _pow2_at_least_16(n: int) -> int:
 
 
 def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn_ref, acc_ref, max_ref,
-            sum_ref, *, scale: float, groups: int, split: int, precision):
+            sum_ref, *, scale: float, groups: int, split: int, num_rows: int, num_new: int,
+            precision):
   """One (batch row, KV head, row block, cache range): q [G, R, D], k/v [L, D], mask [R, L];
-  the last range's program also attends the new tokens kn/vn [N, D] under their mask [R, N]."""
+  the last range's program also attends the new tokens kn/vn [N, D] under their mask [R, N].
+  Of the block's R rows and N new tokens, those past num_rows and num_new are not loaded, and
+  their rows not stored."""
   j = pl.program_id(3)
   steps = jnp.clip(pl.cdiv(hi_ref[...] - j * split, _KEYS), 0, split // _KEYS)
   rows, d = q_ref.shape[1:]
-  qs = [q_ref[g] for g in range(groups)]                                    # G x [R, D]
+  real = (pl.program_id(2) * rows + jnp.arange(rows) < num_rows)[:, None]  # [R, 1]
+  new = jnp.arange(kn_ref.shape[0]) < num_new                              # [N]
+  qs = [plgpu.load(q_ref.at[jnp.int32(g)], mask=real, other=0)
+        for g in range(groups)]  # G x [R, D]
 
   def update(carry, k, v, visible):             # k, v [N, D]; visible [R, N]
     out = []
@@ -88,27 +98,34 @@ def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn_ref, acc_r
 
   def step(i, carry):
     keys = pl.ds(i * _KEYS, _KEYS)
-    return update(carry, k_ref[keys, :], v_ref[keys, :], mask_ref[:, keys] != 0)
+    seen = plgpu.load(mask_ref.at[:, keys], mask=real, other=0) != 0
+    return update(carry, k_ref[keys, :], v_ref[keys, :], seen)
+
+  def attend_new(carry):
+    kn, vn = (plgpu.load(ref, mask=new[:, None], other=0) for ref in (kn_ref, vn_ref))
+    seen = plgpu.load(mn_ref, mask=real & new[None, :], other=0) != 0
+    return update(carry, kn, vn, seen)
 
   init = tuple((jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
                 jnp.zeros((rows,), jnp.float32)) for _ in range(groups))
   carry = jax.lax.fori_loop(0, steps, step, init)
-  carry = jax.lax.cond(j == pl.num_programs(3) - 1,
-                       lambda c: update(c, kn_ref[...], vn_ref[...], mn_ref[...] != 0),
-                       lambda c: c, carry)
-  for g, (acc, top, total) in enumerate(carry):
-    acc_ref[g], max_ref[g], sum_ref[g] = acc, top, total
+  carry = jax.lax.cond(j == pl.num_programs(3) - 1, attend_new, lambda c: c, carry)
+  for g, (acc, top, total) in enumerate(carry):   # (a traced index: interpret mode takes it)
+    g = jnp.int32(g)
+    plgpu.store(acc_ref.at[g], acc, mask=real)
+    plgpu.store(max_ref.at[g], top, mask=real[:, 0])
+    plgpu.store(sum_ref.at[g], total, mask=real[:, 0])
 
 
 def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = False):
-  """hi [B] int32 (cache slots past it are masked for every row); q [B, KVH, G, R, D] (R a
-  multiple of 16); k/v [B, KVH, S, D]; mask [B, R, S] int8; k_new/v_new [B, KVH, N, D] and
-  mask_new [B, R, N] int8 (N a power of two, at least 16). Returns the unnormalised sums
-  [B, KVH, J, G, R, D] (f32), and the row maxima and denominators [B, KVH, J, G, R] of J cache
-  ranges, the last with the new tokens."""
+  """hi [B] int32 (cache slots past it are masked for every row); q [B, KVH, G, R, D];
+  k/v [B, KVH, S, D]; mask [B, R, S] int8; k_new/v_new [B, KVH, U, D] and mask_new [B, R, U]
+  int8. Returns the unnormalised sums [B, KVH, J, G, R, D] (f32), and the row maxima and
+  denominators [B, KVH, J, G, R] of J cache ranges, the last with the new tokens."""
   b, kvh, g, r, d = q.shape
-  s, n = k.shape[2], k_new.shape[2]
-  row_blocks = r // _ROWS
+  s, u = k.shape[2], k_new.shape[2]
+  n = _pow2_at_least_16(u)                 # the new tokens' block
+  row_blocks = -(-r // _ROWS)
   splits = num_splits(b, kvh, row_blocks, s)
   split = s // splits
   sq = pl.squeezed
@@ -116,7 +133,7 @@ def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = 
   part = (b, kvh, splits, g, r)
   return pl.pallas_call(
       functools.partial(_kernel, scale=1.0 / math.sqrt(d), groups=g, split=split,
-                        precision=precision),
+                        num_rows=r, num_new=u, precision=precision),
       out_shape=[jax.ShapeDtypeStruct(part + (d,), jnp.float32),
                  jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)],
       grid=(b, kvh, row_blocks, splits),
@@ -144,24 +161,19 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool
   """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel,
   with the rows and shards of `blocks`."""
   a, t = q.shape[1:3]
-  kvh, r = k_old.shape[1], a * t
-  rows = ((0, 0), (0, -r % _ROWS), (0, 0))                 # pad A x T rows to whole row blocks
-  qk = jnp.pad(blocks.query_rows(q, kvh), ((0, 0),) * 2 + rows)           # [B, KVH, G, R', D]
+  kvh = k_old.shape[1]
+  qk = blocks.query_rows(q, kvh)                                          # [B, KVH, G, A*T, D]
   mask = blocks.cache_mask(mask_old, a, t)                                # [B, A*T, S]
   slot = jnp.arange(1, mask.shape[-1] + 1, dtype=jnp.int32)
   hi = jnp.max(jnp.where(mask, slot, 0), axis=(1, 2))                     # [B] last visible + 1
-  mask = jnp.pad(mask, rows).astype(jnp.int8)                             # [B, R', S]
-  kn, vn, mn = blocks.new_tokens(k_new, v_new, mask_new, t)
-  pad = _pow2_at_least_16(kn.shape[2]) - kn.shape[2]
-  kn, vn = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (kn, vn))  # [B, KVH, N, D]
-  mn = jnp.pad(mn, (rows[0], rows[1], (0, pad))).astype(jnp.int8)         # [B, R', N]
+  kn, vn, mn = blocks.new_tokens(k_new, v_new, mask_new, t)               # [B, KVH, A*U, D]
   heads, batch = blocks.HEADS, blocks.BATCH
   call = blocks.per_shard(functools.partial(kernel_call, interpret=interpret),
                           (batch, heads, heads, heads, batch, heads, heads, batch),
                           (heads, heads, heads))
-  acc, top, total = call(hi, qk, k_old, v_old, mask, kn, vn, mn)  # [B, KVH, J, G, R', (D)]
-  # merge the J ranges by their maxima, reading the real rows only (one of 16 for a single query)
-  acc, top, total = acc[:, :, :, :, :r], top[..., :r], total[..., :r]
+  acc, top, total = call(hi, qk, k_old, v_old, mask.astype(jnp.int8), kn, vn,
+                         mn.astype(jnp.int8))                             # [B, KVH, J, G, R, (D)]
+  # merge the J ranges by their maxima
   w = jnp.exp(top - top.max(axis=2, keepdims=True))                      # [B, KVH, J, G, R]
   den = (w * total).sum(axis=2)
   out = (w[..., None] * acc).sum(axis=2) / jnp.where(den > 0, den, 1.0)[..., None]

@@ -1,0 +1,80 @@
+"""The target's layers through gpu_layer's kernels (Pallas interpret mode on CPU, as an NVIDIA GPU
+runs them) against transformers on random models: the logits of a few new tokens after a cached
+prompt."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from cure_jax.checkpoints.qwen3 import load_target
+from cure_jax.models import qwen3
+from cure_jax.models.kernels import gpu_layer
+from tests.test_qwen3_parity import TOL, prefill, random_hf_model
+
+BATCH, LENGTH, PROMPT = 2, 84, 20
+_COMMON = dict(vocab_size=97, intermediate_size=96, num_hidden_layers=2, rms_norm_eps=1e-6,
+               initializer_range=0.08, max_position_embeddings=128)
+# heads of 32 (rope's halves of 16: Triton's least dot); per-head norms or none, GQA 2 and 4
+CASES = {
+    "qwen3_group2_untied": (Qwen3Config, Qwen3ForCausalLM, dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        tie_word_embeddings=False)),
+    "llama_group4_tied": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("new", [1, 3, 8, 20, 64])
+def test_new_tokens_through_the_layer_kernels_match_transformers(name, new, monkeypatch,
+                                                                  tmp_path):
+  """BATCH x new rows (2, 6, 16, 40 and 128: partial and whole blocks of 16, 64 and 128 rows)
+  through every layer's kernels, attending the cached prompt and each other causally: logits as
+  transformers'."""
+  config_cls, model_cls, kwargs = CASES[name]
+  hf_model = random_hf_model(config_cls, model_cls, **{**_COMMON, **kwargs})
+  hf_model.save_pretrained(tmp_path)
+  tokens = torch.randint(0, 97, (BATCH, LENGTH), generator=torch.Generator().manual_seed(3))
+  with torch.no_grad():
+    want = hf_model(tokens).logits.numpy()[:, PROMPT:PROMPT + new]
+  model = load_target(tmp_path, jnp.float32, progress=False)
+  _, _, cache = prefill(model, tokens.numpy()[:, :PROMPT])   # 40 rows: the XLA path
+
+  traced = []
+
+  def interpreted(gpu, other, *args):
+    traced.append(args[0].shape)
+    return gpu(*args, interpret=True)
+
+  monkeypatch.setattr(qwen3, "on_gpu", interpreted)
+
+  @functools.partial(jax.jit, static_argnames="graphdef")
+  def block(graphdef, state, cache, ids):
+    target = nnx.merge(graphdef, state)
+    positions = jnp.broadcast_to(PROMPT + jnp.arange(new), (BATCH, new))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((new, new), bool)), (BATCH, new, new))
+    mask = jnp.concatenate([jnp.broadcast_to(cache.visible()[:, None], (BATCH, new,
+                                                                        cache.max_len)),
+                            causal], axis=-1)
+    return target.logits(target(ids, positions, cache, mask).hidden)
+
+  got = block(*nnx.split(model), cache, jnp.asarray(tokens.numpy()[:, PROMPT:PROMPT + new]))
+  assert traced == [(BATCH, new, model.cfg.hidden_size)] * model.cfg.num_layers
+  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=TOL)
+
+
+def test_the_kernels_take_decoding_rows_only():
+  """A layer goes through the kernels for up to 256 rows (a 256-node tree at batch 1), and heads
+  whose rope halves Triton's dot takes; more rows (a batch of trees) or an odd head keep XLA's
+  path."""
+  assert gpu_layer.takes(256, 4096, 12288, 128) and gpu_layer.takes(1, 576, 1536, 64)
+  assert not gpu_layer.takes(257, 4096, 12288, 128)
+  assert not gpu_layer.takes(1, 64, 96, 16)                 # halves of 8
+  assert not gpu_layer.takes(1, 64, 96, 96)                 # halves of 48
+  assert not gpu_layer.takes(1, 72, 96, 32)                 # hidden not in tiles of 16
