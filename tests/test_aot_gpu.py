@@ -152,8 +152,9 @@ def test_the_loop_body_runs_in_cuda_graphs(compiled):
 
 def test_each_layer_runs_as_the_gpu_kernels(compiled):
   """Every target layer is five Pallas kernels at decoding's rows (gpu_layer's four and
-  gpu_attention's) and every drafter layer attends through gpu_attention's, so no layer's
-  scores over the 4096-slot cache go through HBM."""
-  layers = {"ar": 5 * ARCH.layers, "chain": 5 * ARCH.layers + ARCH.draft_layers}
+  gpu_attention's), the greedy head one (gpu_layer.head_argmax), and every drafter layer
+  attends through gpu_attention's, so no layer's scores over the 4096-slot cache go through
+  HBM."""
+  layers = {"ar": 5 * ARCH.layers + 1, "chain": 5 * ARCH.layers + 1 + ARCH.draft_layers}
   for method, n in layers.items():
     assert compiled[method]["iteration"]["kernels"] == n, (method, compiled[method]["iteration"])

@@ -10,6 +10,7 @@ verification and tree verification alike.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -228,6 +229,27 @@ class Qwen3(nnx.Module):
     if self.numerics == "invariant":
       return numerics.matmul(hidden, self.head_weight())
     return einsum_f32("...h,vh->...v", hidden, self.head_weight())
+
+  def greedy(self, hidden):
+    """The argmax of logits(hidden) [..., H] -> [...] int32, the first of equal maxima; on
+    NVIDIA GPUs (layer_kernels, default numerics, one device) without writing the float32
+    logits (gpu_layer.head_argmax)."""
+    lead, h = hidden.shape[:-1], hidden.shape[-1]
+    mesh = jax.sharding.get_abstract_mesh()
+    if not (self.layer_kernels and self.numerics == "default" and (mesh.empty or mesh.size == 1)
+            and gpu_layer.head_takes(math.prod(lead), h, self.cfg.vocab_size)):
+      return self._argmax(hidden)
+    by_rows = self._head_by_rows()
+    head = self.head_weight() if by_rows else self.lm_head.kernel[...]
+
+    def gpu(x, w, interpret: bool = False):
+      return gpu_layer.head_argmax(x.reshape(-1, h), w, by_rows=by_rows,
+                                   interpret=interpret).reshape(lead)
+
+    return on_gpu(gpu, lambda x, _: self._argmax(x), hidden, head)
+
+  def _argmax(self, hidden):
+    return jnp.argmax(self.logits(hidden), axis=-1).astype(jnp.int32)
 
   def head_weight(self):
     """The head's weights as vocabulary rows [V, H]: the embedding when tied."""

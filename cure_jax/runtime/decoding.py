@@ -149,10 +149,10 @@ def _verify(target, spec: Spec, st: State, proposal: Proposal):
   lengths = st.cache.lengths
   out = target(tree.tokens, tree.positions(lengths), st.cache,
                tree.attention_mask(st.cache.visible()), spec.feature_layers)
-  logits = target.logits(out.hidden)                                       # [B, V, N]
   if spec.sampling.greedy:
-    verdict = verify.greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), spec.block_size)
+    verdict = verify.greedy(tree, target.greedy(out.hidden), spec.block_size)
   else:
+    logits = target.logits(out.hidden)                                     # [B, N, V]
     verdict = verify.stochastic(tree, sampling.warp(logits, spec.sampling), proposal.q,
                                 proposal.deterministic, sampling.fold(st.key, 2),
                                 spec.block_size, spec.max_children)

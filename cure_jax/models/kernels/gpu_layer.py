@@ -1,8 +1,9 @@
-"""Decoding's rows through a dense decoder layer on NVIDIA GPUs in five kernels.
+"""Decoding's rows through a dense target on NVIDIA GPUs: a layer in five kernels, and the head's
+greedy token in one.
 
 Decoding runs each layer over a few rows (a token per batch row, a drafted block, a tree of up to
-256 nodes) and is memory-bound: what it must do is read each weight once. XLA's GPU compiler made one such layer of
-Qwen3-8B 24 kernels (an ar iteration on an H100: 895, compile-only, 2026-12-06): the norm's sum and
+256 nodes) and is memory-bound: what it must do is read each weight once. XLA's GPU compiler made
+one such layer of Qwen3-8B 24 kernels (an ar iteration on an H100: 895, compile-only, 2026-12-06): the norm's sum and
 its scaling apart, a pad to two rows in front of each projection (layers.Linear keeps one-row
 products GEMMs), split-K partials summed by each consumer, the q and k norms and rope apart. Inside
 a CUDA graph each kernel still costs a microsecond or two. Here the layer is:
@@ -12,6 +13,10 @@ a CUDA graph each kernel still costs a microsecond or two. Here the layer is:
 - gpu_attention's kernel and its merge;
 - `project` (o_proj, then down_proj): the product plus the residual;
 - `swiglu`: the post-attention norm, gate and up, silu(gate) * up.
+
+Greedy verification needs of the head only each row's largest logit: `head_argmax` takes it per
+block of the vocabulary on chip, so the [rows, vocabulary] float32 logits (155 MB for a 256-node
+tree of Qwen3-8B) are neither written nor read back.
 
 All rows (up to MAX_ROWS) are one block of a power of two, at least 16 (Triton's smallest dot),
 loaded and stored under a mask, so no padded copy is made, and each weight tile is read once, by
@@ -232,3 +237,58 @@ def swiglu(x, ln, w_gate, w_up, *, eps: float, interpret: bool = False):
       compiler_params=_params(m),
       interpret=interpret,
   )(x, ln, w_gate, w_up)
+
+
+def head_takes(rows: int, hidden: int, vocab: int) -> bool:
+  """Whether head_argmax takes these rows of a head of this size."""
+  return 0 < rows <= MAX_ROWS and hidden % 16 == 0 and vocab % _COLS[-1] == 0
+
+
+def _argmax_kernel(x_ref, w_ref, top_ref, arg_ref, *, m: int, by_rows: bool):
+  """One block of C vocabulary entries: x [R, K] times w ([C, K] rows or [K, C] columns); each
+  row's largest logit of the block and its first index."""
+  rows, k = x_ref.shape
+  cols = w_ref.shape[0] if by_rows else w_ref.shape[1]
+  depth = _depth(k, rows)
+  contract = (((1,), (1,)), ((), ())) if by_rows else (((1,), (0,)), ((), ()))
+
+  def step(i, acc):
+    ks = pl.ds(i * depth, depth)
+    w = w_ref[:, ks] if by_rows else w_ref[ks, :]
+    return acc + jax.lax.dot_general(_load(x_ref, m, ks), w, contract,
+                                     precision=_precision(x_ref.dtype),
+                                     preferred_element_type=jnp.float32)
+
+  logits = jax.lax.fori_loop(0, k // depth, step, jnp.zeros((rows, cols), jnp.float32))
+  top = logits.max(axis=1)                                                  # [R]
+  ids = pl.program_id(0) * cols + jnp.arange(cols)[None, :]
+  first = jnp.min(jnp.where(logits == top[:, None], ids, jnp.iinfo(jnp.int32).max), axis=1)
+  valid = jnp.arange(rows) < m
+  plgpu.store(top_ref, top, mask=valid)
+  plgpu.store(arg_ref, first, mask=valid)
+
+
+def head_argmax(x, w, *, by_rows: bool, interpret: bool = False):
+  """argmax over the vocabulary of x [M, K] (M <= MAX_ROWS) times the head w ([V, K] rows when
+  by_rows, else [K, V] columns), as jnp.argmax takes it (the first of equal maxima): [M] int32.
+  The logits are summed in float32 and stay on chip: each program keeps its block's maximum and
+  first index, and the blocks' are compared here ([V / C, M] each)."""
+  m, k = x.shape
+  v = w.shape[0] if by_rows else w.shape[1]
+  cols, rows = _columns(v), _block(m)
+  blocks = v // cols
+  weight = (pl.BlockSpec((cols, k), lambda j: (j, 0)) if by_rows else
+            pl.BlockSpec((k, cols), lambda j: (0, j)))
+  part = pl.BlockSpec((pl.squeezed, rows), lambda j: (j, 0))
+  top, arg = pl.pallas_call(
+      functools.partial(_argmax_kernel, m=m, by_rows=by_rows),
+      out_shape=[jax.ShapeDtypeStruct((blocks, m), jnp.float32),
+                 jax.ShapeDtypeStruct((blocks, m), jnp.int32)],
+      grid=(blocks,),
+      in_specs=[pl.BlockSpec((rows, k), lambda j: (0, 0)), weight],
+      out_specs=[part, part],
+      compiler_params=_params(m),
+      interpret=interpret,
+  )(x, w)
+  best = jnp.argmax(top, axis=0)                     # the first block holding a row's maximum
+  return jnp.take_along_axis(arg, best[None, :], axis=0)[0]
