@@ -62,7 +62,8 @@ def num_splits(b: int, kvh: int, row_blocks: int, s: int) -> int:
   return n
 
 
-def _pow2_at_least_16(n: int) -> int:
+def dot_block(n: int) -> int:
+  """The power of two, at least 16 (Triton's smallest dot), that holds n rows."""
   return max(16, 1 << (n - 1).bit_length())
 
 
@@ -124,7 +125,7 @@ def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = 
   denominators [B, KVH, J, G, R] of J cache ranges, the last with the new tokens."""
   b, kvh, g, r, d = q.shape
   s, u = k.shape[2], k_new.shape[2]
-  n = _pow2_at_least_16(u)                 # the new tokens' block
+  n = dot_block(u)                 # the new tokens' block
   row_blocks = -(-r // _ROWS)
   splits = num_splits(b, kvh, row_blocks, s)
   split = s // splits

@@ -36,14 +36,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from cure_jax.models.kernels.gpu_attention import dot_block as _block
+from cure_jax.models.kernels.gpu_rows import largest_dividing as _largest_dividing
+
 MAX_ROWS = 256               # rows a call takes: every row in one block
 _DEPTH = (128, 64, 32, 16)   # K per step: the largest that divides K (and the row block allows)
-_COLS = (64, 32, 16)         # output columns per program of project / swiglu
+_COLS = (64, 32, 16)         # output columns per program of project, swiglu, head_argmax
 _PROGRAMS = 128              # enough programs to keep an H100's 132 SMs reading
-
-
-def _largest_dividing(n: int, sizes: tuple) -> int | None:
-  return next((s for s in sizes if n % s == 0), None)
 
 
 def takes(rows: int, hidden: int, intermediate: int, head_dim: int) -> bool:
@@ -58,11 +57,6 @@ def _columns(n: int) -> int:
   """Columns per program: the widest tile that still gives _PROGRAMS programs, else the
   narrowest."""
   return next(c for c in _COLS if n % c == 0 and (n // c >= _PROGRAMS or c == _COLS[-1]))
-
-
-def _block(m: int) -> int:
-  """Rows of the block that holds m rows."""
-  return max(16, 1 << (m - 1).bit_length())
 
 
 def _depth(k: int, rows: int) -> int:

@@ -29,13 +29,14 @@ _COLS = (64, 32, 16)         # output columns per program: the largest that divi
 _DEPTH = (128, 64, 32, 16)   # K per step of a program's loop: the largest that divides K
 
 
-def _largest_dividing(n: int, sizes: tuple) -> int | None:
+def largest_dividing(n: int, sizes: tuple) -> int | None:
+  """The first of sizes that divides n (sizes largest first), or None."""
   return next((s for s in sizes if n % s == 0), None)
 
 
 def tiles(k: int, n: int) -> bool:
   """Whether the kernel takes a product of reduction length K into N columns."""
-  return _largest_dividing(k, _DEPTH) is not None and _largest_dividing(n, _COLS) is not None
+  return largest_dividing(k, _DEPTH) is not None and largest_dividing(n, _COLS) is not None
 
 
 def _kernel(x_ref, w_ref, out_ref, *, depth: int, precision):
@@ -54,7 +55,7 @@ def product(x, rows, *, interpret: bool = False):
   takes them."""
   m, k = x.shape
   n = rows.shape[0]
-  depth, cols = _largest_dividing(k, _DEPTH), _largest_dividing(n, _COLS)
+  depth, cols = largest_dividing(k, _DEPTH), largest_dividing(n, _COLS)
   padded = -(-m // _ROWS) * _ROWS
   x = jnp.pad(x.astype(rows.dtype), ((0, padded - m), (0, 0)))                  # [M', K]
   precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None  # no TF32
