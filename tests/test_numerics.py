@@ -2,6 +2,8 @@
 whatever else is computed with them. Each invariance is also shown failing in the default mode on
 the same inputs, so that the tests can fail: the default mode is what they guard against."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from configs import common
 from cure_jax.analysis import random_models
 from cure_jax.models import layers, numerics
 from cure_jax.models.qwen3 import Qwen3
-from cure_jax.models.kernels import gpu_rows
+from cure_jax.models.kernels import gpu_exact_attention, gpu_rows
 from cure_jax.models.kernels import prefix as prefix_attention
 from cure_jax.runtime import pipeline
 from tests.test_attention_kernels import _inputs, reference
@@ -21,6 +23,10 @@ ROWS = [1, 2, 3, 8, 16, 17, 32, 33, 64, 100]
 # the embedded default's (SmolLM2-135M) products as (K, N): q/o, k/v, gate/up, down and the tied
 # head, each a weight held as rows [N, K] times x [M, K]
 PRODUCTS = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
+# the invariant attention's two forms: XLA's elementwise tensors (CPU, TPU) and the GPU kernel,
+# run here in Pallas interpret mode
+ATTENDS = {"elementwise": numerics._elementwise_attend,
+           "gpu": functools.partial(gpu_exact_attention.attend, interpret=True)}
 
 
 def _rows_alone_vs_together(product, k, n, seed):
@@ -47,7 +53,8 @@ def test_matmul_rows_do_not_depend_on_the_rows_beside_them(k, n):
 def test_gpu_kernel_tiles_give_the_product_with_rows_alone(m, k, n):
   """gpu_rows' kernel in Pallas interpret mode: the product of float32 inputs to within float32
   sums of K terms (|error| <= K * 2^-24 * sum |x||w| per entry), and each row bitwise what it is
-  computed alone: tiles of fixed size, whatever M (K and N take 3 tile sizes between them)."""
+  computed alone: tiles of fixed size, whatever M (K and N take 3 tile sizes between them);
+  asked for bfloat16, the float32 sums rounded once."""
   rng = np.random.default_rng(m)
   x = rng.standard_normal((m, k)).astype(np.float32)
   w = rng.standard_normal((n, k)).astype(np.float32)
@@ -58,6 +65,8 @@ def test_gpu_kernel_tiles_give_the_product_with_rows_alone(m, k, n):
   for i in (0, m - 1):
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[i:i + 1]), jnp.asarray(w)))[0],
                                   got[i])
+  halves = gpu_rows.product(jnp.asarray(x), jnp.asarray(w), dtype=jnp.bfloat16, interpret=True)
+  np.testing.assert_array_equal(np.asarray(halves), np.asarray(jnp.asarray(got, jnp.bfloat16)))
 
 
 def test_invariant_mode_holds_every_kernel_as_rows_and_gives_them_back():
@@ -105,19 +114,54 @@ def test_norm_rows_do_not_depend_on_the_rows_beside_them():
   assert not all(rows("default"))
 
 
+def _exponents(v_old, v_new, slack: int):
+  """[KVH, D] exponents 2^slack above the largest |value| of each column, cache and new tokens
+  alike (value_exponents' bound is loose by about the hidden size: 2^12 for Qwen3-8B)."""
+  top = np.maximum(np.abs(v_old).max(axis=(0, 2)), np.abs(v_new).max(axis=(0, 1, 2)))
+  return jnp.asarray(np.frexp(top)[1] + slack, jnp.int32)
+
+
+@pytest.mark.parametrize("form", ATTENDS)
 @pytest.mark.parametrize("shape", [(2, 1, 1, 4, 2, 64, 256, 1), (2, 1, 17, 8, 2, 64, 384, 17),
                                    (1, 1, 16, 8, 4, 128, 128, 16)])
-def test_attention_equals_softmax_attention(shape):
-  """Against float64 attention: the cut to the grid costs 2^-44 of each sum's bound, far below
-  float32's own rounding (scores, exp and the division: a few ulp of the output's scale)."""
+def test_attention_equals_softmax_attention(shape, form):
+  """Against float64 attention, the values' bound 2^12 above their largest: each cut to the grid
+  costs under 2^(12 - 44) of the largest value, at most S + U of them over a denominator of at
+  least 1 (384 keys: 2^-23.4), below float32's own rounding (scores, exp and the division: a
+  few ulp of the output's scale)."""
   args = _inputs(shape, seed=sum(shape))
   want = reference(*(np.asarray(x, np.float64) if x.dtype != bool else
                      np.broadcast_to(x, args[0].shape[:3] + x.shape[-1:]) for x in args))
-  got = np.asarray(jax.jit(numerics.attend)(*map(jnp.asarray, args)))
+  got = np.asarray(jax.jit(ATTENDS[form])(*map(jnp.asarray, args),
+                                          _exponents(args[2], args[4], 12)))
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_attention_does_not_depend_on_where_the_keys_lie():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_value_exponents_bound_every_value_a_layer_computes(dtype):
+  """|v| < 2^e for the values of a real layer's input norm and v_proj, at the inputs that come
+  nearest the bound: all of x in the one channel a v row reads (a row with one weight), and x
+  of the signs of a dense row's weights; and for random x. Without the sqrt(H) of the norm's
+  largest entry the one-channel case breaks the bound."""
+  hidden, n = 64, 8
+  rng = np.random.default_rng(3)
+  w = rng.standard_normal((n, hidden)).astype(np.float32)
+  w[0] = 0.0
+  w[0, 5] = 3.0                                   # a row that reads one channel
+  norm = layers.RMSNorm(hidden, 1e-6, dtype)
+  norm.weight[...] = jnp.asarray(rng.uniform(0.5, 2.0, hidden), dtype)
+  rows = jnp.asarray(w, dtype)
+  e = np.asarray(numerics.value_exponents(rows, norm.weight[...]))
+  one_hot = np.zeros((1, hidden), np.float32)
+  one_hot[0, 5] = 100.0
+  xs = np.concatenate([one_hot, np.sign(w[1:2]), rng.standard_normal((32, hidden)) * 10])
+  v = np.asarray(numerics.matmul(norm(jnp.asarray(xs, dtype)), rows).astype(dtype), np.float32)
+  assert (np.abs(v) < 2.0 ** e).all()
+  assert np.abs(v[0, 0]) > 2.0 ** (e[0] - 2)      # the one-channel row comes within 4x of it
+
+
+@pytest.mark.parametrize("form", ATTENDS)
+def test_attention_does_not_depend_on_where_the_keys_lie(form):
   """A query over 41 keys: 41 in the cache and 1 new (a decode step), 33 and 8 (a verified
   block), the block as a tree node beside 3 siblings and at another batch row: bitwise the same
   output. The default form differs between the first two."""
@@ -145,7 +189,8 @@ def test_attention_does_not_depend_on_where_the_keys_lie():
     mask_old = np.broadcast_to(np.arange(s) < cached, (1, 1, 4, s))
     return q4, k, v, k_new, v_new, mask_old, mask_new
 
-  invariant = jax.jit(numerics.attend)
+  e = _exponents(v, np.zeros((1, 1, 1, kvh, d), np.float32), 4)    # every split sees all of v
+  invariant = jax.jit(lambda *args: ATTENDS[form](*args, e))
   one = np.asarray(invariant(*split(n)))[0, 0, 0]
   for got in (invariant(*split(33))[0, 0, 0], invariant(*split(n, rows=3, others=2))[0, 0, 0],
               invariant(*tree(n - 3))[0, 0, 3]):

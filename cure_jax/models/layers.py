@@ -53,7 +53,7 @@ class Linear(nnx.Linear):
 
   def __call__(self, x):
     if numerics.invariant():
-      return numerics.matmul(x, self.kernel_rows[...]).astype(self.dtype)
+      return numerics.matmul(x, self.kernel_rows[...], self.dtype)
     if math.prod(x.shape[:-1]) != 1:
       return super().__call__(x)
     return jax.lax.platform_dependent(x, cuda=self._two_rows, default=super().__call__)
@@ -264,13 +264,15 @@ def einsum_f32(spec: str, a, b):
       a, b, cpu=lambda a, b: dot(a.astype(jnp.float32), b.astype(jnp.float32)), default=dot)
 
 
-def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = True):
+def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = True,
+           exponents=None):
   """Grouped-query attention over [old slots ; new tokens] without concatenating the caches.
 
   q: [B, A, T, H, D] queries (A = independent blocks that share the same old context);
   k_old/v_old: [B, KVH, S, D] cached keys/values (the cache's layout); k_new/v_new: [B, A, U, KVH, D];
   mask_old: [B, A, T, S], mask_new: [B, A, T, U] booleans (True = visible).
   Returns [B, A, T, H, D].
+  exponents: numerics=invariant's bound on the values, [KVH * D] (numerics.value_exponents).
 
   On TPU this is tpu_attention's Pallas kernel and on NVIDIA GPUs gpu_attention's (Triton), which
   keep the scores on chip; on CPU it is cpu_attention's, which reads the cache in its own layout
@@ -281,7 +283,7 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, kernel: bool = 
   """
   args = (q, k_old, v_old, k_new, v_new, mask_old, mask_new)
   if numerics.invariant():
-    return numerics.attend(*args)
+    return numerics.attend(*args, exponents)
   if not kernel:
     return xla_attend(*args)
   s, groups, head_dim = k_old.shape[2], q.shape[3] // k_old.shape[1], q.shape[4]

@@ -23,7 +23,9 @@ bitwise, whatever else is computed with them:
   over the visible keys (exact in any order), and sums the softmax's weights and weighted values
   exactly: every term is cut to a common grid (pre-rounding, as in Demmel & Nguyen's
   reproducible summation) and summed as int64 integers, so the sum is the same in any order and
-  any split between cache and new tokens.
+  any split between cache and new tokens. The values' grid is set by a bound taken from the
+  layer's weights (value_exponents), the same for every token, so no pass over the cache finds
+  it.
 The mode is a trace-time setting (`with numerics.mode("invariant"):`), entered by the target's
 forward pass; a mesh changes how each product is split, so invariance holds for one mesh.
 """
@@ -31,12 +33,13 @@ forward pass; a mesh changes how each product is split, so invariance holds for 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from cure_jax.models.kernels import gpu_rows
+from cure_jax.models.kernels import blocks, gpu_exact_attention, gpu_rows
 
 MODES = ("default", "invariant")
 MIN_ROWS, MAX_ROWS = 2, 16   # rows per matmul tile in invariant mode (XLA:CPU: tests/test_numerics)
@@ -60,17 +63,19 @@ def invariant() -> bool:
   return _mode[-1] == "invariant"
 
 
-def matmul(x, rows):
+def matmul(x, rows, dtype=jnp.float32):
   """x [..., K] times weight rows [N, K] (an [out, in] kernel, a head's vocabulary rows), summed
-  in float32, as [..., N], each row the same whatever rows are beside it: on NVIDIA GPUs through
-  gpu_rows' fixed tiles (on one device; under a mesh as below), elsewhere as _row_tiles."""
+  in float32, as [..., N] in `dtype`, each row the same whatever rows are beside it: on NVIDIA
+  GPUs through gpu_rows' fixed tiles (on one device; under a mesh as below), which cast in the
+  kernel, elsewhere as _row_tiles."""
   lead, k = x.shape[:-1], x.shape[-1]
   flat = x.reshape(-1, k)
-  mesh = jax.sharding.get_abstract_mesh()
-  if gpu_rows.tiles(k, rows.shape[0]) and (mesh.empty or mesh.size == 1):
-    out = jax.lax.platform_dependent(flat, rows, cuda=gpu_rows.product, default=_row_tiles)
+  if gpu_rows.tiles(k, rows.shape[0]) and blocks.one_device():
+    out = jax.lax.platform_dependent(
+        flat, rows, cuda=functools.partial(gpu_rows.product, dtype=dtype),
+        default=lambda x, w: _row_tiles(x, w).astype(dtype))
   else:
-    out = _row_tiles(flat, rows)
+    out = _row_tiles(flat, rows).astype(dtype)
   return out.reshape(lead + (-1,))
 
 
@@ -111,7 +116,7 @@ MAX_TERMS = 2 ** (63 - _GRID)
 
 
 def _exact_sum(parts, e, axis: int):
-  """The sum over `axis` of every x in parts (|x| < 2^e, e of the sum's shape), rounded once to
+  """The sum over `axis` of every x in parts (|x| < 2^e, e broadcast to the sum's shape), rounded once to
   float32: each term is cut toward zero to the grid 2^(e - _GRID) and the terms are summed as
   int64, exactly, so in any order and any split between the parts. A float32 times a power of
   two, converted to int64, is the one step per term (XLA:CPU vectorises both; three int32 limbs
@@ -130,13 +135,40 @@ def _power_of_two(n):
   return jax.lax.bitcast_convert_type((n + 127).astype(jnp.int32) << 23, jnp.float32)
 
 
-def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
-  """layers.attend in invariant mode (shapes there); exact in any order and any split of the
-  keys between cache and new tokens, for up to MAX_TERMS keys. Cost: every score and weighted
-  value is elementwise work, rows x keys x head size, with no matmul library."""
+def value_exponents(v_rows, norm_weight):
+  """e [N] int32 with |v_j| < 2^e_j for every value v_j = v_rows[j] . (rmsnorm(x) * norm_weight)
+  a layer can compute, whatever x is: each entry of rmsnorm(x) is at most sqrt(H) in size (all
+  of x's energy in one entry), so |v_j| <= sqrt(H) sum_i |v_rows[j, i] norm_weight_i|, doubled
+  for the rounding of the products and casts. The exact sums' grid follows this bound rather
+  than the largest visible value: it needs no pass over the cache (that pass read the values a
+  second time each layer), and every row and every step has the same grid. The bound is loose
+  by about H (the weights' 1-norm against their 2-norm, times sqrt(H)); the grid sits 2^-44
+  below it, still far below float32's rounding of the output."""
+  terms = jnp.abs(v_rows.astype(jnp.float32)) * jnp.abs(norm_weight.astype(jnp.float32))
+  bound = 2.0 * math.sqrt(norm_weight.shape[0]) * tree_sum(terms)   # [N]
+  _, e = jnp.frexp(bound)
+  return jnp.maximum(e, _GRID - 126)   # a bound below 2^-82 is taken as 2^-82 (a finite scale)
+
+
+def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, exponents):
+  """layers.attend in invariant mode (shapes there), with exponents [KVH * D] or [KVH, D] bounding every
+  value |v| < 2^e (value_exponents); exact in any order and any split of the keys between cache
+  and new tokens, for up to MAX_TERMS keys. On NVIDIA GPUs (one device) gpu_exact_attention's
+  kernel; elsewhere _elementwise_attend."""
   if k_old.shape[2] + k_new.shape[2] > MAX_TERMS:
     raise ValueError(f"numerics=invariant attends at most {MAX_TERMS} keys exactly; the cache "
                      f"holds {k_old.shape[2]} and {k_new.shape[2]} new: lower max_len")
+  args = (q, k_old, v_old, k_new, v_new, mask_old, mask_new, exponents)
+  if gpu_exact_attention.tiles(k_old.shape[2], q.shape[3] // k_old.shape[1], q.shape[4]) and (
+      blocks.one_device()):
+    return jax.lax.platform_dependent(*args, cuda=gpu_exact_attention.attend,
+                                      default=_elementwise_attend)
+  return _elementwise_attend(*args)
+
+
+def _elementwise_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, exponents):
+  """attend as XLA tensors: every score and weighted value is elementwise work, rows x keys x
+  head size, with no matmul library."""
   q, k_new, v_new = _materialized(q, k_new, v_new)
   b, a, t, h, d = q.shape
   kvh = k_old.shape[1]
@@ -156,10 +188,8 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
   p_new = jnp.where(seen_new, jnp.exp(s_new - top), 0.0)
   one = jnp.ones(top.shape[:-1], jnp.int32)                               # p <= 1 < 2^1
   total = _exact_sum((p_old, p_new), one, -1)                            # [B, A, T, KVH, G]
-  bound = jnp.maximum(_visible_max(vo, seen_old), _visible_max(vn, seen_new))
-  _, e = jnp.frexp(bound)                                 # bound < 2^e, [B, A, T, KVH, G, D]
-  e = jnp.maximum(e, _GRID - 126)      # a bound below 2^-82 is taken as 2^-82 (a finite scale)
-  p_old, p_new, e = _materialized(p_old, p_new, e)
+  e = exponents.reshape(1, 1, 1, kvh, 1, d)                          # the columns' grids
+  p_old, p_new = _materialized(p_old, p_new)
   sums = _exact_sum((p_old[..., None] * vo, p_new[..., None] * vn), e, -2)  # [B,A,T,KVH,G,D]
   out = sums / jnp.where(total > 0, total, 1.0)[..., None]
   return out.reshape(b, a, t, h, d).astype(q.dtype)
@@ -167,7 +197,7 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new):
 
 def _materialized(*xs):
   """xs as computed buffers. XLA:CPU fuses the producers of the attention's small operands (the
-  new tokens' projections, norm and rope; the softmax weights; each column's bound) into the
+  new tokens' projections, norm and rope; the softmax weights) into the
   elementwise work over every key and recomputes them per term: the embedded default's
   invariant forward over 200 cached tokens took 45-49 ms, 32-36 ms with these buffers (the
   default mode's: 24-27). The operands of a conditional on a run-time predicate are computed
@@ -182,8 +212,3 @@ def _materialized(*xs):
 
 def _spoilt(x):
   return jnp.full_like(x, jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else 0)
-
-
-def _visible_max(v, seen):
-  """max |v| over the visible keys, [B, A, T, KVH, G, D] (0 where none is visible)."""
-  return jnp.where(seen[..., None], jnp.abs(v), 0.0).max(-2, initial=0.0)

@@ -19,7 +19,7 @@ from flax import nnx
 
 from cure_jax.models.cache import KVCache
 from cure_jax.models import numerics
-from cure_jax.models.kernels import gpu_layer, prefix as prefix_attention
+from cure_jax.models.kernels import blocks, gpu_layer, prefix as prefix_attention
 from cure_jax.models.layers import (Linear, RMSNorm, Rope, SwiGLU, attend, einsum_f32,
                                     embed_lookup, linear, rope_from_hf)
 from cure_jax.models.moe import MoEConfig, SparseMoE
@@ -91,10 +91,11 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(d, cfg.rms_eps, dtype)
       self.k_norm = RMSNorm(d, cfg.rms_eps, dtype)
 
-  def __call__(self, x, positions, k_old, v_old, mask):
-    """x [B, T, H]; mask [B, T, S + T] or a prompt chunk's Prefix. Returns the output [B, T, H]
-    and this layer's new (k, v) [B, T, KVH, D]; for a Prefix, its cache (k, v) [B, KVH, S, D]
-    with the chunk written in."""
+  def __call__(self, x, positions, k_old, v_old, mask, exponents=None):
+    """x [B, T, H]; mask [B, T, S + T] or a prompt chunk's Prefix; exponents: numerics=
+    invariant's bound on the values (layers.attend). Returns the output [B, T, H] and this
+    layer's new (k, v) [B, T, KVH, D]; for a Prefix, its cache (k, v) [B, KVH, S, D] with the
+    chunk written in."""
     b, t, _ = x.shape
     cfg = self.cfg
     q, k, v = jax.lax.optimization_barrier((self.q_proj(x), self.k_proj(x), self.v_proj(x)))
@@ -105,18 +106,18 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = cfg.rope(q, positions), cfg.rope(k, positions)
     if isinstance(mask, prefix_attention.Prefix):
-      out, k, v = prefix_attention.attend(q, k_old, v_old, k, v, mask)     # [B, T, H, D]
+      out, k, v = prefix_attention.attend(q, k_old, v_old, k, v, mask, exponents)  # [B,T,H,D]
     else:
-      out = cached(q, k, v, k_old, v_old, mask)
+      out = cached(q, k, v, k_old, v_old, mask, exponents)
     return self.o_proj(out.reshape(b, t, -1)), (k, v)
 
 
-def cached(q, k, v, k_old, v_old, mask):
+def cached(q, k, v, k_old, v_old, mask, exponents=None):
   """Attention of q [B, T, H, D] over the cache and the new k, v [B, T, KVH, D] under mask
   [B, T, S + T]: [B, T, H, D]."""
   s = k_old.shape[2]
   return attend(q[:, None], k_old, v_old, k[:, None], v[:, None], mask[:, None, :, :s],
-                mask[:, None, :, s:])[:, 0]
+                mask[:, None, :, s:], exponents=exponents)[:, 0]
 
 
 class DecoderLayer(nnx.Module):
@@ -135,15 +136,30 @@ class DecoderLayer(nnx.Module):
     return self._xla(x, positions, k_old, v_old, mask)
 
   def _xla(self, x, positions, k_old, v_old, mask):
-    attn, kv = self.self_attn(self.input_layernorm(x), positions, k_old, v_old, mask)
+    exponents = self.value_exponents[...] if numerics.invariant() else None
+    attn, kv = self.self_attn(self.input_layernorm(x), positions, k_old, v_old, mask, exponents)
     x = x + attn
     return x + self.mlp(self.post_attention_layernorm(x)), kv
 
+  def hold_exponents(self, on: bool) -> None:
+    """Holds numerics=invariant's bound on this layer's values (numerics.value_exponents of its
+    weights, `value_exponents` [KVH * D]) or drops it. Computed once, when the mode is entered:
+    computed in each step instead, it read v_proj's weights again every iteration (XLA does not
+    hoist it out of the conditional in decoding's loop: 0.3 GB an iteration for Qwen3-8B)."""
+    if not on:
+      if hasattr(self, "value_exponents"):
+        del self.value_exponents
+      return
+    args = (self.self_attn.v_proj.kernel_rows.get_value(), self.input_layernorm.weight.get_value())
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in args)   # compile-only models
+    bound = (jax.eval_shape(numerics.value_exponents, *args) if abstract
+             else numerics.value_exponents(*args))
+    self.value_exponents = nnx.Variable(bound)
+
   def _kernels_take(self, x, mask) -> bool:
     cfg = self.self_attn.cfg
-    mesh = jax.sharding.get_abstract_mesh()
     return (isinstance(self.mlp, SwiGLU) and not isinstance(mask, prefix_attention.Prefix)
-            and not numerics.invariant() and (mesh.empty or mesh.size == 1)
+            and not numerics.invariant() and blocks.one_device()
             and gpu_layer.takes(x.shape[0] * x.shape[1], cfg.hidden_size,
                                 cfg.intermediate_size, cfg.head_dim))
 
@@ -205,7 +221,9 @@ class Qwen3(nnx.Module):
   def numerics(self) -> str:
     """The forward pass's numerics mode (numerics.MODES); the runtime sets it from
     config.numerics. Setting "invariant" holds every projection's kernel as rows
-    (Linear.hold_rows), which that mode multiplies; setting "default" holds them back."""
+    (Linear.hold_rows), which that mode multiplies, and each layer's bound on its values
+    (DecoderLayer.hold_exponents); setting "default" holds them back. Weights changed in
+    invariant mode need the mode set again."""
     return self._numerics
 
   @numerics.setter
@@ -219,6 +237,8 @@ class Qwen3(nnx.Module):
     for _, module in nnx.iter_modules(self):
       if isinstance(module, Linear):
         module.hold_rows(mode == "invariant")
+    for layer in self.layers:
+      layer.hold_exponents(mode == "invariant")
     self._numerics = mode
 
   def embed(self, tokens):
@@ -235,8 +255,7 @@ class Qwen3(nnx.Module):
     NVIDIA GPUs (layer_kernels, default numerics, one device) without writing the float32
     logits (gpu_layer.head_argmax)."""
     lead, h = hidden.shape[:-1], hidden.shape[-1]
-    mesh = jax.sharding.get_abstract_mesh()
-    if not (self.layer_kernels and self.numerics == "default" and (mesh.empty or mesh.size == 1)
+    if not (self.layer_kernels and self.numerics == "default" and blocks.one_device()
             and gpu_layer.head_takes(math.prod(lead), h, self.cfg.vocab_size)):
       return self._argmax(hidden)
     by_rows = self._head_by_rows()

@@ -58,6 +58,7 @@ RULES: tuple[tuple[str, tuple, str | None], ...] = (
     (r"(^|/)mlp/experts/down_proj/kernel$", (None, MODEL, None), "moe_intermediate_size"),
     (r"(^|/)fc/kernel$", (None, None), None),        # DFlash feature projection: replicated
     (r"(^|/)[a-z_]*norm/weight$", (None,), None),   # every RMSNorm (incl. q_norm, k_norm)
+    (r"(^|/)value_exponents$", (None,), None),      # numerics=invariant's bound on the values
 )
 CACHE_SPEC = P(DATA, MODEL, None, None)      # each layer's KV cache [B, KVH, S, D]
 

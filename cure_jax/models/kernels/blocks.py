@@ -48,6 +48,26 @@ def new_tokens(k_new, v_new, mask_new, t: int):
   return kn, vn, mn.reshape(b, a * t, a * u)
 
 
+def triton_operands(q, k_old, mask_old, k_new, v_new, mask_new):
+  """The GPU (Triton) kernels' operands: hi [B] int32 (each batch row's last visible cache slot
+  + 1, the end of its programs' loops), q as query_rows [B, KVH, G, A*T, D], the cache mask
+  [B, A*T, S] int8, and the new tokens as new_tokens gives them, their mask int8."""
+  a, t = q.shape[1:3]
+  mask = cache_mask(mask_old, a, t)                                       # [B, A*T, S]
+  slot = jnp.arange(1, mask.shape[-1] + 1, dtype=jnp.int32)
+  hi = jnp.max(jnp.where(mask, slot, 0), axis=(1, 2))                     # [B]
+  kn, vn, mn = new_tokens(k_new, v_new, mask_new, t)                      # [B, KVH, A*U, D]
+  return (hi, query_rows(q, k_old.shape[1]), mask.astype(jnp.int8), kn, vn,
+          mn.astype(jnp.int8))
+
+
+def one_device() -> bool:
+  """Whether the current trace runs on one device (no mesh, or a mesh of one): the kernels that
+  have no per-shard form (gpu_layer, gpu_rows, gpu_exact_attention) take only that."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or mesh.size == 1
+
+
 def per_shard(call, in_specs: tuple, out_specs):
   """`call` per shard of the current mesh (jax.set_mesh), or as it is without one."""
   mesh = jax.sharding.get_abstract_mesh()

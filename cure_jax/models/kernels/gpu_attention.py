@@ -46,10 +46,15 @@ def _pow2(n: int) -> bool:
 
 
 def tiles(s: int, groups: int, head_dim: int) -> bool:
-  """Whether the kernel takes a cache of S slots: whole blocks of keys, at least one; Triton's
-  blocks are powers of two, so query heads per KV head and head_dim must be, and its dot takes
-  at least 16 along each side."""
-  return s > 0 and s % _KEYS == 0 and _pow2(groups) and _pow2(head_dim) and head_dim >= 16
+  """Whether the kernel takes a cache of S slots (whole blocks of keys, at least one) and these
+  heads (heads_tile)."""
+  return s > 0 and s % _KEYS == 0 and heads_tile(groups, head_dim)
+
+
+def heads_tile(groups: int, head_dim: int) -> bool:
+  """Whether a Triton attention kernel takes these heads: query heads per KV head and head_dim
+  powers of two, head_dim at least 16 (its dot's smallest side)."""
+  return _pow2(groups) and _pow2(head_dim) and head_dim >= 16
 
 
 def num_splits(b: int, kvh: int, row_blocks: int, s: int) -> int:
@@ -161,21 +166,14 @@ def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = 
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool = False):
   """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel,
   with the rows and shards of `blocks`."""
-  a, t = q.shape[1:3]
-  kvh = k_old.shape[1]
-  qk = blocks.query_rows(q, kvh)                                          # [B, KVH, G, A*T, D]
-  mask = blocks.cache_mask(mask_old, a, t)                                # [B, A*T, S]
-  slot = jnp.arange(1, mask.shape[-1] + 1, dtype=jnp.int32)
-  hi = jnp.max(jnp.where(mask, slot, 0), axis=(1, 2))                     # [B] last visible + 1
-  kn, vn, mn = blocks.new_tokens(k_new, v_new, mask_new, t)               # [B, KVH, A*U, D]
+  hi, qk, mask, kn, vn, mn = blocks.triton_operands(q, k_old, mask_old, k_new, v_new, mask_new)
   heads, batch = blocks.HEADS, blocks.BATCH
   call = blocks.per_shard(functools.partial(kernel_call, interpret=interpret),
                           (batch, heads, heads, heads, batch, heads, heads, batch),
                           (heads, heads, heads))
-  acc, top, total = call(hi, qk, k_old, v_old, mask.astype(jnp.int8), kn, vn,
-                         mn.astype(jnp.int8))                             # [B, KVH, J, G, R, (D)]
+  acc, top, total = call(hi, qk, k_old, v_old, mask, kn, vn, mn)        # [B, KVH, J, G, R, (D)]
   # merge the J ranges by their maxima
   w = jnp.exp(top - top.max(axis=2, keepdims=True))                      # [B, KVH, J, G, R]
   den = (w * total).sum(axis=2)
   out = (w[..., None] * acc).sum(axis=2) / jnp.where(den > 0, den, 1.0)[..., None]
-  return blocks.block_rows(out, a, t).astype(q.dtype)                    # [B, A, T, H, D]
+  return blocks.block_rows(out, *q.shape[1:3]).astype(q.dtype)           # [B, A, T, H, D]

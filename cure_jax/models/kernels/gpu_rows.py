@@ -47,12 +47,13 @@ def _kernel(x_ref, w_ref, out_ref, *, depth: int, precision):
                                      precision=precision, preferred_element_type=jnp.float32)
 
   acc = jnp.zeros(out_ref.shape, jnp.float32)
-  out_ref[...] = jax.lax.fori_loop(0, x_ref.shape[1] // depth, step, acc)
+  out_ref[...] = jax.lax.fori_loop(0, x_ref.shape[1] // depth, step, acc).astype(out_ref.dtype)
 
 
-def product(x, rows, *, interpret: bool = False):
-  """x [M, K] times rows [N, K] (an [out, in] weight) as [M, N] float32; K and N as `tiles`
-  takes them."""
+def product(x, rows, *, dtype=jnp.float32, interpret: bool = False):
+  """x [M, K] times rows [N, K] (an [out, in] weight), summed in float32, as [M, N] in `dtype`
+  (a bfloat16 layer's outputs leave the kernel at half the bytes); K and N as `tiles` takes
+  them."""
   m, k = x.shape
   n = rows.shape[0]
   depth, cols = largest_dividing(k, _DEPTH), largest_dividing(n, _COLS)
@@ -61,7 +62,7 @@ def product(x, rows, *, interpret: bool = False):
   precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None  # no TF32
   out = pl.pallas_call(
       functools.partial(_kernel, depth=depth, precision=precision),
-      out_shape=jax.ShapeDtypeStruct((padded, n), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((padded, n), dtype),
       grid=(padded // _ROWS, n // cols),
       in_specs=[pl.BlockSpec((_ROWS, k), lambda i, j: (i, 0)),
                 pl.BlockSpec((cols, k), lambda i, j: (j, 0))],

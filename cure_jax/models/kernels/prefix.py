@@ -47,7 +47,7 @@ class Prefix:
   count: jax.Array     # [B] real tokens in this chunk
 
 
-def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix):
+def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix, exponents=None):
   """q [B, T, H, D]; k_cache/v_cache [B, KVH, S, D]; k_new/v_new [B, T, KVH, D] -> the output
   [B, T, H, D] (rows past prefix.count are padding: what they hold is unspecified) and the
   caches with the chunk's real tokens written after each row's prefix.
@@ -58,7 +58,7 @@ def attend(q, k_cache, v_cache, k_new, v_new, prefix: Prefix):
   temporaries)."""
   args = (q, k_cache, v_cache, k_new, v_new, prefix.lengths, prefix.count)
   if numerics.invariant():
-    return _written(numerics_attend(*args), k_cache, v_cache, k_new, v_new, prefix)
+    return _written(numerics_attend(*args, exponents), k_cache, v_cache, k_new, v_new, prefix)
   platforms = {}
   if gpu_prefix.tiles(k_cache.shape[2], q.shape[1], q.shape[3]):
     platforms["cuda"] = lambda *a: (gpu_prefix.attend(*a[:-1]), a[1], a[2])
@@ -85,9 +85,10 @@ def tpu_attend(q, k_cache, v_cache, k_new, v_new, lengths, count, *, interpret: 
                    interpret=interpret)
 
 
-def numerics_attend(q, k_cache, v_cache, k_new, v_new, lengths, count):
+def numerics_attend(q, k_cache, v_cache, k_new, v_new, lengths, count, exponents):
   """attend in the invariant numerics mode: the chunk as one block of numerics.attend."""
-  return _as_block(numerics.attend, q, k_cache, v_cache, k_new, v_new, lengths, count)
+  return _as_block(numerics.attend, q, k_cache, v_cache, k_new, v_new, lengths, count,
+                   exponents=exponents)
 
 
 def _as_block(attend_block, q, k_cache, v_cache, k_new, v_new, lengths, count, **kwargs):
