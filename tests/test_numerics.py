@@ -137,6 +137,30 @@ def test_attention_equals_softmax_attention(shape, form):
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+def test_int32_limb_sums_are_exact_whatever_the_split():
+  """The TPU form of the exact sums (int32 limbs, blocks of 512 terms): 256 sums of trunc(x 2^s)
+  over 1,300 terms of both signs and many sizes, against Python's integers, to within the
+  limbs' fixed roundings (3 of float32's); and bitwise the same split in two parts at several
+  places, and with the terms permuted (digits left uncarried round differently in some of the
+  256). The int64 form rounds the same integer once."""
+  rng = np.random.default_rng(4)
+  x = (rng.standard_normal((256, 1300)) * 2.0 ** rng.integers(-30, 3, (256, 1300))).astype(
+      np.float32)
+  x[1, :650] = np.abs(x[1, :650]) * 100                   # large terms of one sign
+  e = np.frexp(np.abs(x).max(axis=1))[1]                   # |x| < 2^e
+  scale = np.ldexp(np.float32(1), 44 - e)[:, None].astype(np.float32)
+  exact = [sum(int(v) for v in np.trunc(row.astype(np.float64) * sc)) for row, sc in
+           zip(x, scale[:, 0].astype(np.float64))]
+  limbs = jax.jit(functools.partial(numerics._limb_sum, axis=1))
+  got = np.asarray(limbs(scale, x))
+  np.testing.assert_allclose(got, np.array(exact, np.float64), rtol=3 * 2.0 ** -24)
+  perm = rng.permutation(1300)
+  for parts in ((x[:, :5], x[:, 5:]), (x[:, :700], x[:, 700:]), (x[:, perm],)):
+    np.testing.assert_array_equal(np.asarray(limbs(scale, *parts)), got)
+  int64 = np.asarray(jax.jit(functools.partial(numerics._int64_sum, axis=1))(scale, x))
+  np.testing.assert_array_equal(int64, np.array(exact, np.float32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_value_exponents_bound_every_value_a_layer_computes(dtype):
   """|v| < 2^e for the values of a real layer's input norm and v_proj, at the inputs that come

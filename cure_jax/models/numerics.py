@@ -67,16 +67,24 @@ def matmul(x, rows, dtype=jnp.float32):
   """x [..., K] times weight rows [N, K] (an [out, in] kernel, a head's vocabulary rows), summed
   in float32, as [..., N] in `dtype`, each row the same whatever rows are beside it: on NVIDIA
   GPUs through gpu_rows' fixed tiles (on one device; under a mesh as below), which cast in the
-  kernel, elsewhere as _row_tiles."""
+  kernel; on TPUs as one product (_one_product); elsewhere as _row_tiles."""
   lead, k = x.shape[:-1], x.shape[-1]
   flat = x.reshape(-1, k)
+  cast = lambda product: lambda *a: product(*a).astype(dtype)   # noqa: E731
+  platforms = dict(tpu=cast(_one_product), default=cast(_row_tiles))
   if gpu_rows.tiles(k, rows.shape[0]) and blocks.one_device():
-    out = jax.lax.platform_dependent(
-        flat, rows, cuda=functools.partial(gpu_rows.product, dtype=dtype),
-        default=lambda x, w: _row_tiles(x, w).astype(dtype))
-  else:
-    out = _row_tiles(flat, rows).astype(dtype)
-  return out.reshape(lead + (-1,))
+    platforms["cuda"] = functools.partial(gpu_rows.product, dtype=dtype)
+  return jax.lax.platform_dependent(flat, rows, **platforms).reshape(lead + (-1,))
+
+
+def _one_product(x, rows):
+  """x [M, K] times rows [N, K] in float32 as one product, whatever M. A TPU's matrix unit sums
+  each output entry over K in passes of its fixed size, in order, the same for every row (an
+  assumption a TPU has to confirm, as _row_tiles' tiles assume it of XLA:TPU at 2-16 rows);
+  _row_tiles' map over 16-row tiles read every weight once per tile (Qwen3-8B chain at batch 8
+  on a v5e 2x2: 8 reads an iteration)."""
+  return jnp.einsum("mk,nk->mn", x, rows, preferred_element_type=jnp.float32,
+                    precision=jax.lax.Precision.HIGHEST)
 
 
 def _row_tiles(x, rows):
@@ -116,17 +124,70 @@ MAX_TERMS = 2 ** (63 - _GRID)
 
 
 def _exact_sum(parts, e, axis: int):
-  """The sum over `axis` of every x in parts (|x| < 2^e, e broadcast to the sum's shape), rounded once to
-  float32: each term is cut toward zero to the grid 2^(e - _GRID) and the terms are summed as
-  int64, exactly, so in any order and any split between the parts. A float32 times a power of
-  two, converted to int64, is the one step per term (XLA:CPU vectorises both; three int32 limbs
-  of 15 bits took 3-6x longer for the embedded default's attention)."""
-  terms = jnp.expand_dims(e, axis)
-  scale = _power_of_two(_GRID - terms)
+  """The sum over `axis` of every x in parts (|x| < 2^e, e broadcast to the sum's shape) as
+  float32: each term is cut toward zero to the grid 2^(e - _GRID), t = trunc(x 2^(_GRID - e)),
+  and the integers are summed exactly, so in any order and any split between the parts. On TPUs
+  in int32 limbs (_limb_sum: TPUs have no int64 arithmetic, XLA emulates it), elsewhere in
+  int64."""
+  axis = axis % parts[0].ndim
+  scale = _power_of_two(_GRID - jnp.expand_dims(e, axis))
+  total = jax.lax.platform_dependent(
+      scale, *parts, tpu=functools.partial(_limb_sum, axis=axis),
+      default=functools.partial(_int64_sum, axis=axis))
+  return total * _power_of_two(e - _GRID)
+
+
+def _int64_sum(scale, *parts, axis: int):
+  """sum(trunc(x scale)) over `axis`, summed as int64 and rounded once to float32. A float32
+  times a power of two, converted to int64, is the one step per term (XLA:CPU vectorises both;
+  three int32 limbs of 15 bits took 3-6x longer for the embedded default's attention)."""
   with jax.enable_x64(True):
     total = sum((x * scale).astype(jnp.int64).sum(axis) for x in parts)
-    value = total.astype(jnp.float32)
-  return value * _power_of_two(e - _GRID)
+    return total.astype(jnp.float32)
+
+
+_HALF, _BLOCK = 22, 512   # a term's halves; terms per int32 partial sum (2^22 x 2^9 < 2^31)
+
+
+def _limb_sum(scale, *parts, axis: int):
+  """_int64_sum in int32 alone. Each term t (|t| < 2^44) is high 2^22 + low (both of t's sign,
+  below 2^22), each half summed in blocks of _BLOCK terms (below 2^31), each block's sum split
+  into 16-bit digits, and the digits summed over the blocks (below 2^26 for MAX_TERMS terms).
+  The four sums are then carried into one canonical form, y3 2^38 + d2 2^22 + d1 2^16 + d0 with
+  the d's in fixed ranges, so the float32 it becomes (a fixed sequence of roundings) is a
+  function of the exact integer alone, whatever the blocks held."""
+  digits = [0, 0, 0, 0]      # sum high // 2^16, high % 2^16, low // 2^16, low % 2^16
+  for x in parts:
+    t = x * scale
+    high = (t * 2.0 ** -_HALF).astype(jnp.int32)
+    low = (t - high.astype(jnp.float32) * 2.0 ** _HALF).astype(jnp.int32)   # exact
+    for i, block in enumerate(_block_sums(high, low, axis=axis)):   # the blocks at `axis`
+      quotient = jax.lax.shift_right_arithmetic(block, 16)
+      digits[2 * i] = digits[2 * i] + quotient.sum(axis)
+      digits[2 * i + 1] = digits[2 * i + 1] + (block - (quotient << 16)).sum(axis)
+  top, high_rest, low_top, low_rest = digits  # weights 2^38, 2^22, 2^16, 1
+  d0, carry = low_rest & 0xFFFF, jax.lax.shift_right_arithmetic(low_rest, 16)
+  y1 = low_top + carry
+  d1, carry = y1 & 0x3F, jax.lax.shift_right_arithmetic(y1, 6)
+  y2 = high_rest + carry
+  d2, carry = y2 & 0xFFFF, jax.lax.shift_right_arithmetic(y2, 16)
+  y3 = top + carry
+  f = lambda v: v.astype(jnp.float32)   # noqa: E731
+  return ((f(y3) * 2.0 ** 16 + f(d2)) * 2.0 ** 6 + f(d1)) * 2.0 ** 16 + f(d0)
+
+
+def _block_sums(*xs, axis: int):
+  """Each x's sums over `axis` in blocks of _BLOCK (zeros past its end), the blocks left at
+  `axis`; one reduction for all of xs, so their common producer is read once."""
+  n = xs[0].shape[axis]
+  block = max(min(n, _BLOCK), 1)
+  pad = [(0, 0)] * xs[0].ndim
+  pad[axis] = (0, -n % block)
+  blocked = tuple(jnp.pad(x, pad).reshape(x.shape[:axis] + (-1, block) + x.shape[axis + 1:])
+                  for x in xs)
+  zeros = tuple(jnp.zeros((), x.dtype) for x in xs)
+  return jax.lax.reduce(blocked, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)),
+                        (axis + 1,))
 
 
 def _power_of_two(n):
@@ -172,17 +233,16 @@ def _elementwise_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, expon
   q, k_new, v_new = _materialized(q, k_new, v_new)
   b, a, t, h, d = q.shape
   kvh = k_old.shape[1]
-  qg = q.reshape(b, a, t, kvh, h // kvh, d, 1).astype(jnp.float32)     # [B, A, T, KVH, G, D, 1]
+  qg = q.reshape(b, a, t, kvh, h // kvh, d)                          # [B, A, T, KVH, G, D]
   vo = v_old[:, None, None, :, None].astype(jnp.float32)                # [B, 1, 1, KVH, 1, S, D]
   vn = v_new.transpose(0, 1, 3, 2, 4)[:, :, None, :, None].astype(jnp.float32)  # [B,A,1,KVH,1,U,D]
-  # keys head-dimension first, so that each level of the tree adds whole rows of keys
-  ko = k_old.swapaxes(2, 3)[:, None, None, :, None].astype(jnp.float32)  # [B, 1, 1, KVH, 1, D, S]
-  kn = k_new.transpose(0, 1, 3, 4, 2)[:, :, None, :, None].astype(jnp.float32)  # [B,A,1,KVH,1,D,U]
   seen_old = mask_old[:, :, :, None, None]                              # [B, A, T, 1, 1, S]
   seen_new = mask_new[:, :, :, None, None]
   scale = 1.0 / math.sqrt(d)
-  s_old = jnp.where(seen_old, tree_sum(qg * ko, -2) * scale, _NEG)     # [B, A, T, KVH, G, S]
-  s_new = jnp.where(seen_new, tree_sum(qg * kn, -2) * scale, _NEG)
+  s_old, s_new = jax.lax.platform_dependent(qg, k_old, k_new, tpu=_mxu_scores,
+                                            default=_tree_scores)
+  s_old = jnp.where(seen_old, s_old * scale, _NEG)                    # [B, A, T, KVH, G, S]
+  s_new = jnp.where(seen_new, s_new * scale, _NEG)
   top = jnp.maximum(s_old.max(-1, initial=_NEG), s_new.max(-1, initial=_NEG))[..., None]
   p_old = jnp.where(seen_old, jnp.exp(s_old - top), 0.0)
   p_new = jnp.where(seen_new, jnp.exp(s_new - top), 0.0)
@@ -193,6 +253,28 @@ def _elementwise_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, expon
   sums = _exact_sum((p_old[..., None] * vo, p_new[..., None] * vn), e, -2)  # [B,A,T,KVH,G,D]
   out = sums / jnp.where(total > 0, total, 1.0)[..., None]
   return out.reshape(b, a, t, h, d).astype(q.dtype)
+
+
+def _tree_scores(qg, k_old, k_new):
+  """q . k for the cache's keys and the new ones, [B, A, T, KVH, G, S or U] (qg [B, A, T, KVH,
+  G, D]; k_old [B, KVH, S, D], k_new [B, A, U, KVH, D]), each an explicit tree of adds over
+  the head dimension: IEEE operations, so the same in any shape."""
+  qg = qg[..., None].astype(jnp.float32)                              # [B, A, T, KVH, G, D, 1]
+  # keys head-dimension first, so that each level of the tree adds whole rows of keys
+  ko = k_old.swapaxes(2, 3)[:, None, None, :, None].astype(jnp.float32)  # [B, 1, 1, KVH, 1, D, S]
+  kn = k_new.transpose(0, 1, 3, 4, 2)[:, :, None, :, None].astype(jnp.float32)  # [B,A,1,KVH,1,D,U]
+  return tree_sum(qg * ko, -2), tree_sum(qg * kn, -2)
+
+
+def _mxu_scores(qg, k_old, k_new):
+  """_tree_scores as products on a TPU's matrix unit: a dot over the head dimension (at most the
+  unit's 128 in one pass) sums each entry's products in the array's fixed order, the same for
+  every row and key (an assumption about the hardware that a TPU has to confirm; the elementwise
+  tree was written to HBM level by level: 29 of 34 GB in a v5e chain iteration at batch 1)."""
+  exact = jax.lax.Precision.HIGHEST if qg.dtype == jnp.float32 else None  # bf16 products fit f32
+  dot = functools.partial(jnp.einsum, precision=exact, preferred_element_type=jnp.float32)
+  return (dot("batkgd,bksd->batkgs", qg, k_old.astype(qg.dtype)),
+          dot("batkgd,baukd->batkgu", qg, k_new.astype(qg.dtype)))
 
 
 def _materialized(*xs):
