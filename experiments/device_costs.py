@@ -23,6 +23,11 @@ nothing measured):
            and FLOPs of one iteration) at this device's measured HBM bandwidth (a large copy)
            and bf16 GEMM peak; writes loops.json and loops.md
   (python -m experiments.device_costs --parts=loops --deadline_s=480 --output_dir=...)
+  numerics numerics=invariant against the default mode (a Qwen3-8B-like pair scaled to 4
+           layers of hidden 1,024, random bf16 weights: near-ties are common, a hard test):
+           prompts that greedy ar, chain and ddtree at batch 8 decode other than target-only
+           decoding of each prompt alone, and target-only ms per token at batch 1 and 8
+  (python -m experiments.device_costs --parts=numerics --deadline_s=240 --output_dir=...)
   train    the Qwen3-8B online drafter training step (configs/train/qwen3_8b.py: frozen bf16
            target + float32 DFlash-b16 drafter and AdamW) at each --train_rows rows of
            --train_len tokens: seconds per step, tokens/s, and MFU at this device's own bf16
@@ -52,7 +57,7 @@ from cure_jax.runtime.generation import Generator, decoding_spec
 from cure_jax.tree import controller, repair
 
 _PARTS = flags.DEFINE_list("parts", ["smoke", "curve", "prefill", "moe"],
-                           "of smoke, curve, prefill, moe, steps, loops, train")
+                           "of smoke, curve, prefill, moe, steps, loops, numerics, train")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "", "one JSON per part here")
 _DEADLINE = flags.DEFINE_float("deadline_s", 1e9, "start no new measurement after this many "
                                 "seconds")
@@ -72,6 +77,7 @@ _LOOP_TOKENS = flags.DEFINE_integer("loop_tokens", 64, "loops: new tokens a row 
 _TRAIN_ROWS = flags.DEFINE_list("train_rows", ["4", "2"], "train: rows per step, tried in order "
                                 "until one fits")
 _TRAIN_LEN = flags.DEFINE_integer("train_len", 3072, "train: tokens per row")
+_NUMERICS_TOKENS = flags.DEFINE_integer("numerics_tokens", 48, "numerics: new tokens a prompt")
 
 # what --small keeps of a config.json: a model that compiles and runs in seconds on a CPU
 _SMALL_SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -80,14 +86,24 @@ _SMALL_SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num
                     num_target_layers=4, block_size=16)
 
 
-def _config(path: str) -> dict:
+# the numerics part's pair: Qwen3-8B's layer layout (GQA 4, head 128) at a size whose
+# invariant and default programs compile and decode in seconds on an accelerator
+_NUMERICS_SIZES = dict(vocab_size=8192, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=128, num_target_layers=4, block_size=16)
+
+
+def _config(path: str, sizes: dict | None = None) -> dict:
+  """path's config.json, scaled to `sizes` (to _SMALL_SIZES with --small); a scaled drafter has
+  one layer reading target layers 1 and 2."""
   config = read_hf_config(path)
-  if not _SMALL.value:
+  sizes = _SMALL_SIZES if _SMALL.value else sizes
+  if not sizes:
     return config
-  config = {**config, **{k: v for k, v in _SMALL_SIZES.items() if k in config}}
+  config = {**config, **{k: v for k, v in sizes.items() if k in config}}
   if "dflash_config" in config:
     config["num_hidden_layers"] = 1
-    config["dflash_config"] = dict(config["dflash_config"], mask_token_id=4095,
+    config["dflash_config"] = dict(config["dflash_config"], mask_token_id=sizes["vocab_size"] - 1,
                                    target_layer_ids=[1, 2])
   return config
 
@@ -360,13 +376,50 @@ def train() -> dict:
   return dict(gemm_bf16_tflops=peak, rows=rows)
 
 
+def numerics() -> dict:
+  """numerics=invariant on this device, beside the default mode: greedy ar, chain and ddtree at
+  batch 8 against target-only decoding of each prompt alone, and the target-only ms per token
+  at batch 1 and 8 (second runs: compiled and warm)."""
+  dtype = _dtype()
+  target = convert_qwen3.FAMILY.build(_config(_TARGET.value, _NUMERICS_SIZES), dtype)
+  drafter = convert_dflash.FAMILY.build(_config(_DRAFTER.value, _NUMERICS_SIZES), dtype)
+  prompts = random_models.prompts(0, target.cfg.vocab_size, 8, lo=16, hi=48)
+  tokens = _NUMERICS_TOKENS.value
+  modes = {}
+  for mode in ("invariant", "default"):
+    if not _in_time(f"numerics {mode}"):
+      continue
+    target.numerics = mode
+    alone = Generator(target, method="ar", max_new_tokens=tokens)
+    want = [alone.generate([p])[0].output_ids for p in prompts]
+    row = dict(differ={}, tpot_ms={})
+    for method in ("ar", "chain", "ddtree"):
+      gen = Generator(target, drafter if method != "ar" else None, method=method,
+                      max_new_tokens=tokens)
+      got = gen.generate(prompts)
+      row["differ"][method] = sum(r.output_ids != w for r, w in zip(got, want))
+      if method == "ar":
+        row["tpot_ms"][8] = gen.generate(prompts)[0].tpot_ms
+    row["tpot_ms"][1] = alone.generate(prompts[:1])[0].tpot_ms
+    modes[mode] = row
+    print(f"numerics {mode}: of {len(prompts)} prompts at batch 8, " +
+          ", ".join(f"{m} {n}" for m, n in row["differ"].items()) +
+          " differ from target-only one at a time; target-only " +
+          ", ".join(f"batch {b} {ms:.2f} ms" for b, ms in row["tpot_ms"].items()) + " a token")
+  target.numerics = "default"
+  overhead = ({b: modes["invariant"]["tpot_ms"][b] / modes["default"]["tpot_ms"][b]
+               for b in (1, 8)} if len(modes) == 2 else {})
+  return dict(sizes=_SMALL_SIZES if _SMALL.value else _NUMERICS_SIZES, dtype=str(dtype),
+              prompts=len(prompts), tokens=tokens, modes=modes, tpot_overhead=overhead)
+
+
 def _device() -> dict:
   return dict(device_kind=jax.devices()[0].device_kind, backend=jax.default_backend(),
               jax=jax.__version__, small=_SMALL.value)
 
 
 RUNS = dict(smoke=smoke, curve=curve, prefill=prefill, moe=moe, steps=steps, loops=loops,
-            train=train)
+            numerics=numerics, train=train)
 
 
 def main(argv):

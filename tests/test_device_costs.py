@@ -40,3 +40,25 @@ def test_loops_part_times_every_program_beside_its_count(tmp_path):
   # one row through the target, a 16-token block (and the drafter), a 64-node tree
   assert flops["ar"] < flops["chain"] < flops["cure"]
   assert "| ddtree | 16 | 1 |" in (tmp_path / "loops.md").read_text()
+
+
+def test_numerics_part_compares_the_modes_on_the_same_prompts(tmp_path):
+  """--parts=numerics: both modes decode the same 8 prompts; in numerics=invariant, ar, chain
+  and ddtree at batch 8 emit each prompt's target-only tokens decoded alone, and both modes'
+  target-only times per token come back with their ratio."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+  child = subprocess.run(
+      [sys.executable, "-m", "experiments.device_costs", "--small", "--parts=numerics",
+       "--numerics_tokens=12", f"--output_dir={tmp_path}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert child.returncode == 0, child.stderr[-3000:]
+  data = json.loads((tmp_path / "numerics.json").read_text())
+  assert data["ok"] and data["prompts"] == 8 and data["tokens"] == 12
+  assert set(data["modes"]) == {"invariant", "default"}
+  assert data["modes"]["invariant"]["differ"] == {"ar": 0, "chain": 0, "ddtree": 0}
+  for mode in data["modes"].values():
+    assert all(ms > 0 for ms in mode["tpot_ms"].values()) and set(mode["tpot_ms"]) == {"1", "8"}
+  for batch, ratio in data["tpot_overhead"].items():
+    modes = data["modes"]
+    assert ratio == modes["invariant"]["tpot_ms"][batch] / modes["default"]["tpot_ms"][batch]

@@ -15,17 +15,21 @@ bitwise, whatever else is computed with them:
   alone is padded to two). The kernel a product takes depends on its reduction length too: at
   K = 4,096 rows stay invariant up to 8 per tile, at 12,288 up to 3 (measured, jax 0.10.2);
   the tile sizes here are the embedded default's. On an NVIDIA GPU (one device) every product
-  is gpu_rows' kernel, whose tiles do not depend on the number of rows (compiled, not yet run
-  on a GPU);
+  is gpu_rows' kernel, whose tiles do not depend on the number of rows; on a TPU it is one
+  product for all rows (the matrix unit's fixed passes over K);
 - norms sum their squares as an explicit pairwise tree of elementwise adds (each add is IEEE,
   the same in any vectorisation);
-- attention computes each score as an explicit tree over the head dimension, takes the maximum
-  over the visible keys (exact in any order), and sums the softmax's weights and weighted values
-  exactly: every term is cut to a common grid (pre-rounding, as in Demmel & Nguyen's
-  reproducible summation) and summed as int64 integers, so the sum is the same in any order and
-  any split between cache and new tokens. The values' grid is set by a bound taken from the
-  layer's weights (value_exponents), the same for every token, so no pass over the cache finds
-  it.
+- attention computes each score as an explicit tree over the head dimension (on a TPU a dot on
+  the matrix unit), takes the maximum over the visible keys (exact in any order), and sums the
+  softmax's weights and weighted values exactly: every term is cut to a common grid
+  (pre-rounding, as in Demmel & Nguyen's reproducible summation) and summed as integers (int64;
+  int32 limbs on TPUs), so the sum is the same in any order and any split between cache and new
+  tokens. The values' grid is set by a bound taken from the layer's weights (value_exponents),
+  the same for every token, so no pass over the cache finds it. On an NVIDIA GPU (one device)
+  all of it is gpu_exact_attention's kernel.
+What runs on GPUs and TPUs is compiled here, not run: their row invariance rests on fixed tiles
+(and, on TPUs, on XLA's dots) computing each entry the same way wherever it lies in a tile, which
+a device has to confirm.
 The mode is a trace-time setting (`with numerics.mode("invariant"):`), entered by the target's
 forward pass; a mesh changes how each product is split, so invariance holds for one mesh.
 """
