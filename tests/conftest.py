@@ -32,7 +32,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 # one worker; these files' tests are spread one by one.
 _SPREAD = {"test_lossless", "test_sampling", "test_best_first", "test_budget",
            "test_tree", "test_redraft", "test_replay", "test_host_sync", "test_chex_invariants",
-           "test_multiprocess", "test_numerics"}
+           "test_multiprocess", "test_numerics", "test_device_costs"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
