@@ -398,7 +398,11 @@ def lower_sharded(graphdef, params, spec, batch: int, bucket: int, mesh: Mesh):
 # insertion by region analysis. Without it XLA:CPU copied every layer's cache twice an iteration
 # (a loop body that reads a buffer and then updates it in place), so a step cost what the
 # cache could hold, not what it holds (ar, SmolLM2 at max_len 4,608: 120 copies of 3.5 MB).
-PLATFORM_OPTIONS = {"cpu": {"xla_cpu_copy_insertion_use_region_analysis": True}}
+# GPU: no dot merging. XLA:GPU merged the drafter's ten context K/V products (one operand, ten
+# weights) into one dot over a concatenation of the weights, built inside the loop: a copy of
+# 84 MB of Qwen3-8B's drafter written and read back every iteration.
+PLATFORM_OPTIONS = {"cpu": {"xla_cpu_copy_insertion_use_region_analysis": True},
+                    "gpu": {"xla_gpu_dot_merger_threshold_mb": 0}}
 
 
 def platform_options(platform: str, options: dict | None = None) -> dict:

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from cure_jax.models.axes import DATA, MODEL
 
 HEADS, BATCH = P(DATA, MODEL), P(DATA)     # a kernel operand split by KV heads, or by batch only
+ROW_HEADS = P(DATA, None, MODEL)           # [B, rows, KVH, ...]: split by KV heads behind the rows
 
 
 def query_rows(q, kvh: int):
@@ -43,22 +44,31 @@ def new_tokens(k_new, v_new, mask_new, t: int):
   -> [B, A*T, A*U], block-diagonal."""
   b, a, u, kvh, d = k_new.shape
   kn, vn = (x.transpose(0, 3, 1, 2, 4).reshape(b, kvh, a * u, d) for x in (k_new, v_new))
+  return kn, vn, new_mask(mask_new, a, t, u)
+
+
+def new_mask(mask_new, a: int, t: int, u: int):
+  """mask_new [B, A or 1, T, U] -> [B, A*T, A*U]: block-diagonal, each block's rows see their
+  own block's new tokens only."""
+  b = mask_new.shape[0]
   own = jnp.eye(a, dtype=bool)[None, :, None, :, None]                     # [1, A, 1, A, 1]
   mn = jnp.broadcast_to(mask_new, (b, a, t, u))[:, :, :, None, :] & own    # [B, A, T, A, U]
-  return kn, vn, mn.reshape(b, a * t, a * u)
+  return mn.reshape(b, a * t, a * u)
 
 
 def triton_operands(q, k_old, mask_old, k_new, v_new, mask_new):
-  """The GPU (Triton) kernels' operands: hi [B] int32 (each batch row's last visible cache slot
-  + 1, the end of its programs' loops), q as query_rows [B, KVH, G, A*T, D], the cache mask
-  [B, A*T, S] int8, and the new tokens as new_tokens gives them, their mask int8."""
-  a, t = q.shape[1:3]
+  """The GPU (Triton) kernels' operands, in the layouts the projections write (so no transposed
+  copy is made): hi [B] int32 (each batch row's last visible cache slot + 1, the end of its
+  programs' loops), q as [B, A*T, KVH, G, D], the cache mask [B, A*T, S] int8, the new tokens
+  [B, A*U, KVH, D] side by side and their block-diagonal mask [B, A*T, A*U] int8."""
+  b, a, t, h, d = q.shape
+  u, kvh = k_new.shape[2:4]
   mask = cache_mask(mask_old, a, t)                                       # [B, A*T, S]
   slot = jnp.arange(1, mask.shape[-1] + 1, dtype=jnp.int32)
   hi = jnp.max(jnp.where(mask, slot, 0), axis=(1, 2))                     # [B]
-  kn, vn, mn = new_tokens(k_new, v_new, mask_new, t)                      # [B, KVH, A*U, D]
-  return (hi, query_rows(q, k_old.shape[1]), mask.astype(jnp.int8), kn, vn,
-          mn.astype(jnp.int8))
+  kn, vn = (x.reshape(b, a * u, kvh, d) for x in (k_new, v_new))
+  return (hi, q.reshape(b, a * t, kvh, h // kvh, d), mask.astype(jnp.int8), kn, vn,
+          new_mask(mask_new, a, t, u).astype(jnp.int8))
 
 
 def one_device() -> bool:

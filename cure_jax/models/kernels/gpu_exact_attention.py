@@ -74,12 +74,13 @@ def _value(limbs, unit):
 
 def _kernel(hi_ref, scale_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn_ref, out_ref, *,
             score_scale: float, groups: int, num_rows: int, num_new: int, precision):
-  """One (batch row, KV head, row block): q [G, R, D], k/v [S, D], mask [R, S]; new tokens
+  """One (batch row, KV head, row block): q [R, G, D], k/v [S, D], mask [R, S]; new tokens
   kn/vn [N, D] (N: num_new rounded up to _KEYS) under mn [R, N]; scale [D] = 2^(44 - e) of the
   values' grid. Rows past num_rows and tokens past num_new are not loaded."""
-  rows, d = q_ref.shape[1:]
+  rows, d = q_ref.shape[0], q_ref.shape[2]
   real = (pl.program_id(2) * rows + jnp.arange(rows) < num_rows)[:, None]      # [R, 1]
-  qs = [plgpu.load(q_ref.at[jnp.int32(g)], mask=real, other=0) for g in range(groups)]
+  heads = [jnp.int32(g) for g in range(groups)]   # (a traced index: interpret mode takes it)
+  qs = [plgpu.load(q_ref.at[:, g, :], mask=real, other=0) for g in heads]      # G x [R, D]
   scale = scale_ref[...]                                                       # [D]
   cache_steps = pl.cdiv(hi_ref[...], _KEYS)
   new_steps = pl.cdiv(num_new, _KEYS)
@@ -128,19 +129,19 @@ def _kernel(hi_ref, scale_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn
   carry = tuple((zero(rows), zero(rows, d)) for _ in qs)
   carry = jax.lax.fori_loop(0, cache_steps, sums(cached), carry)
   carry = jax.lax.fori_loop(0, new_steps, sums(new), carry)
-  for g, (total, acc) in enumerate(carry):    # (a traced index: interpret mode takes it)
+  for g, (total, acc) in zip(heads, carry):
     den = _value(total, 2.0 ** (1 - GRID))
     out = _value(acc, 1.0 / scale) / jnp.where(den > 0, den, 1.0)[:, None]
-    plgpu.store(out_ref.at[jnp.int32(g)], out.astype(out_ref.dtype), mask=real)
+    plgpu.store(out_ref.at[:, g, :], out.astype(out_ref.dtype), mask=real)
 
 
 def kernel_call(hi, scale, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = False):
   """hi [B] int32 (slots past it are masked for every row); scale [KVH, D] float32, 2^(44 - e)
-  of the values' bound 2^e; q [B, KVH, G, R, D]; k/v [B, KVH, S, D]; mask [B, R, S] int8;
-  k_new/v_new [B, KVH, U, D] and mask_new [B, R, U] int8. Returns [B, KVH, G, R, D] in q's
+  of the values' bound 2^e; q [B, R, KVH, G, D]; k/v [B, KVH, S, D]; mask [B, R, S] int8;
+  k_new/v_new [B, U, KVH, D] and mask_new [B, R, U] int8. Returns [B, R, KVH, G, D] in q's
   dtype."""
-  b, kvh, g, r, d = q.shape
-  s, u = k.shape[2], k_new.shape[2]
+  b, r, kvh, g, d = q.shape
+  s, u = k.shape[2], k_new.shape[1]
   n = max(_KEYS, -(-u // _KEYS) * _KEYS)       # the new tokens' blocks, loaded under a mask
   sq = pl.squeezed
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None   # no TF32 in f32
@@ -152,15 +153,15 @@ def kernel_call(hi, scale, q, k, v, mask, k_new, v_new, mask_new, *, interpret: 
       in_specs=[
           pl.BlockSpec((sq,), lambda i, h, j: (i,)),
           pl.BlockSpec((sq, d), lambda i, h, j: (h, 0)),
-          pl.BlockSpec((sq, sq, g, _ROWS, d), lambda i, h, j: (i, h, 0, j, 0)),
+          pl.BlockSpec((sq, _ROWS, sq, g, d), lambda i, h, j: (i, j, h, 0, 0)),
           pl.BlockSpec((sq, sq, s, d), lambda i, h, j: (i, h, 0, 0)),
           pl.BlockSpec((sq, sq, s, d), lambda i, h, j: (i, h, 0, 0)),
           pl.BlockSpec((sq, _ROWS, s), lambda i, h, j: (i, j, 0)),
-          pl.BlockSpec((sq, sq, n, d), lambda i, h, j: (i, h, 0, 0)),
-          pl.BlockSpec((sq, sq, n, d), lambda i, h, j: (i, h, 0, 0)),
+          pl.BlockSpec((sq, n, sq, d), lambda i, h, j: (i, 0, h, 0)),
+          pl.BlockSpec((sq, n, sq, d), lambda i, h, j: (i, 0, h, 0)),
           pl.BlockSpec((sq, _ROWS, n), lambda i, h, j: (i, j, 0)),
       ],
-      out_specs=pl.BlockSpec((sq, sq, g, _ROWS, d), lambda i, h, j: (i, h, 0, j, 0)),
+      out_specs=pl.BlockSpec((sq, _ROWS, sq, g, d), lambda i, h, j: (i, j, h, 0, 0)),
       compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=2),
       interpret=interpret,
   )(hi, scale, q, k, v, mask, k_new, v_new, mask_new)
@@ -170,8 +171,8 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, exponents, *,
            interpret: bool = False):
   """numerics.attend's contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]; exponents [KVH * D])
   through the kernel, with the rows of `blocks`."""
-  hi, qk, mask, kn, vn, mn = blocks.triton_operands(q, k_old, mask_old, k_new, v_new, mask_new)
+  hi, qr, mask, kn, vn, mn = blocks.triton_operands(q, k_old, mask_old, k_new, v_new, mask_new)
   e = exponents.reshape(k_old.shape[1], -1)                               # [KVH, D]
   scale = jnp.ldexp(jnp.ones(e.shape, jnp.float32), GRID - e)
-  out = kernel_call(hi, scale, qk, k_old, v_old, mask, kn, vn, mn, interpret=interpret)
-  return blocks.block_rows(out, *q.shape[1:3])                            # [B, A, T, H, D]
+  out = kernel_call(hi, scale, qr, k_old, v_old, mask, kn, vn, mn, interpret=interpret)
+  return out.reshape(q.shape)                                             # [B, A, T, H, D]
