@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from cure_jax.checkpoints import store
 from cure_jax.checkpoints.dflash import export_hf, load_drafter
 from cure_jax.checkpoints.qwen3 import load_target
+from cure_jax.models import layer_kernels
 from cure_jax.runtime.generation import Generator
 from tests.dflash_reference import (PairSpec, add_model_prefix, build_pair, reference_block_logits,
                                     reference_features, reference_generate)
@@ -114,11 +115,11 @@ def test_features_use_hidden_states_index_plus_one(parity):
   assert np.abs(np.asarray(unshifted.features) - expected).max() > 100 * TOL
 
 
-@functools.partial(nnx.jit, static_argnums=5)
-def our_block_logits(target, drafter, feats, lengths, anchors, verify_size):
+@functools.partial(nnx.jit, static_argnums=(5, 6))
+def our_block_logits(target, drafter, feats, lengths, anchors, verify_size, kernels=False):
   """Draft logits [B, verify_size-1, V] after context features feats [B, T, n*H] (valid up to
   lengths [B]), appended to the drafter cache in two chunks (4 tokens, then the rest), for the
-  blocks [anchor, mask...]."""
+  blocks [anchor, mask...]; kernels: the drafter's layers through gpu_layer's kernels."""
   b, t, _ = feats.shape
   k = drafter.cfg.block_size
   positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -128,17 +129,12 @@ def our_block_logits(target, drafter, feats, lengths, anchors, verify_size):
     cache = cache.append(ctx_k, ctx_v, jnp.clip(lengths - start, 0, stop - start))
   block = jnp.full((b, 1, k), drafter.cfg.mask_token_id).at[:, 0, 0].set(anchors)  # [B, 1, K]
   hidden = drafter(target.embed(block), lengths[:, None] + jnp.arange(k)[None], cache,
-                   jnp.full((b,), verify_size))
+                   jnp.full((b,), verify_size), kernels=kernels)
   return drafter.draft_logits(hidden[:, 0, 1:verify_size], target)
 
 
-@pytest.mark.parametrize("short_block", [False, True])
-def test_block_logits_match_reference(parity, short_block):
-  """Two contexts of different lengths, appended to our cache in two chunks; with short_block
-  the block is cut to 2 tokens, as near the end of generation (the reference's verify_size)."""
-  pair, target, drafter = parity.pair, parity.target, parity.drafter
-  k = pair.spec.block_size
-  verify_size = 2 if short_block else k
+def _reference_and_ours(pair, target, drafter, verify_size, kernels=False):
+  """The wheel's draft logits and ours for two contexts of different lengths."""
   lengths, anchors = (11, 7), (5, 17)
   gen = torch.Generator().manual_seed(3)
   features = [reference_features(pair, torch.randint(0, pair.spec.vocab_size, (1, t),
@@ -150,8 +146,36 @@ def test_block_logits_match_reference(parity, short_block):
   for i, f in enumerate(features):
     feats[i, :lengths[i]] = f[0].numpy()
   logits = our_block_logits(target, drafter, jnp.asarray(feats), jnp.asarray(lengths),
-                            jnp.asarray(anchors), verify_size)
-  chex.assert_trees_all_close(np.asarray(logits), expected, rtol=0, atol=TOL)
+                            jnp.asarray(anchors), verify_size, kernels)
+  return expected, np.asarray(logits)
+
+
+@pytest.mark.parametrize("short_block", [False, True])
+def test_block_logits_match_reference(parity, short_block):
+  """Two contexts of different lengths, appended to our cache in two chunks; with short_block
+  the block is cut to 2 tokens, as near the end of generation (the reference's verify_size)."""
+  verify_size = 2 if short_block else parity.pair.spec.block_size
+  expected, logits = _reference_and_ours(parity.pair, parity.target, parity.drafter, verify_size)
+  chex.assert_trees_all_close(logits, expected, rtol=0, atol=TOL)
+
+
+def test_block_logits_through_the_gpu_kernels_match_reference(tmp_path, monkeypatch):
+  """Every drafter layer through gpu_layer's kernels (Pallas interpret mode, as an NVIDIA GPU
+  runs them; heads of 32, GQA 2) gives the wheel's draft logits."""
+  pair = build_pair(PairSpec(vocab_size=64, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             head_dim=32, target_layers=3, draft_layers=2,
+                             target_layer_ids=(0, 2), block_size=8, seed=2), tmp_path)
+  target, drafter = load_pair(pair)
+  traced = []
+
+  def interpreted(gpu, other, *args):
+    traced.append(args[0].shape)
+    return gpu(*args, interpret=True)
+
+  monkeypatch.setattr(layer_kernels, "on_gpu", interpreted)
+  expected, logits = _reference_and_ours(pair, target, drafter, 8, kernels=True)
+  assert traced == [(2, 1, 8, 64)] * 2                     # both layers, the block's 16 rows
+  chex.assert_trees_all_close(logits, expected, rtol=0, atol=TOL)
 
 
 @pytest.fixture(scope="module", params=list(CHAIN))

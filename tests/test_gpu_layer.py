@@ -13,7 +13,7 @@ from flax import nnx
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from cure_jax.checkpoints.qwen3 import load_target
-from cure_jax.models import qwen3
+from cure_jax.models import layer_kernels
 from cure_jax.models.kernels import gpu_layer
 from tests.test_qwen3_parity import TOL, prefill, random_hf_model
 
@@ -51,7 +51,7 @@ def test_new_tokens_through_the_layer_kernels_match_transformers(name, new, monk
     traced.append(args[0].shape)
     return gpu(*args, interpret=True)
 
-  monkeypatch.setattr(qwen3, "on_gpu", interpreted)
+  monkeypatch.setattr(layer_kernels, "on_gpu", interpreted)
 
   @functools.partial(jax.jit, static_argnames="graphdef")
   def block(graphdef, state, cache, ids):
@@ -98,11 +98,12 @@ def test_head_argmax_takes_the_first_largest_logit(m, by_rows):
 
 
 def test_greedy_decoding_through_the_gpu_kernels_equals_the_xla_path(monkeypatch):
-  """ar, chain and ddtree with every target layer and the greedy head through the kernels
-  (interpreted) emit the tokens of the XLA path's target-only decoding (float32)."""
+  """ar, chain, ddtree and cure with every target and drafter layer and the greedy head through
+  the kernels (interpreted) emit the tokens of the XLA path's target-only decoding (float32)."""
   from cure_jax.analysis import random_models
   from cure_jax.runtime import generation
   from cure_jax.runtime.generation import Generator
+  from cure_jax.tree import repair
   arch = random_models.Arch(vocab=64, hidden=64, heads=2, kv_heads=1, head_dim=32,
                             block_size=8, target_layer_ids=(0, 2))
   target, drafter = random_models.pair(arch, seed=5)
@@ -117,13 +118,17 @@ def test_greedy_decoding_through_the_gpu_kernels_equals_the_xla_path(monkeypatch
 
   generation.release_compiled()
   jax.clear_caches()
-  monkeypatch.setattr(qwen3, "on_gpu", interpreted)
+  monkeypatch.setattr(layer_kernels, "on_gpu", interpreted)
   for gen in (Generator(target, method="ar", **new),
               Generator(target, drafter, method="chain", **new),
-              Generator(target, drafter, method="ddtree", **new)):
+              Generator(target, drafter, method="ddtree", **new),
+              Generator(target, drafter, method="cure", **new, cure=repair.RepairConfig(
+                  tau_margin=1e9, v_max=12, max_depth=arch.block_size - 1))):
     for got, ref in zip(gen.generate(batch), want):
       assert got.output_ids == ref.output_ids, gen.method
   generation.release_compiled()
   jax.clear_caches()
   hidden = [s for s in traced if len(s) == 3 and s[-1] == arch.hidden]
   assert {s[1] for s in hidden} >= {1, arch.block_size}    # decoding steps and verification
+  blocks = {s[1] for s in traced if len(s) == 4}           # the drafter's [B, A, K, H]
+  assert 1 in blocks and max(blocks) > 1, traced          # the main block, cure's re-drafts

@@ -91,7 +91,8 @@ def hidden(target, drafter, dcache, spec: Spec, anchor, lengths, limit, known=No
   blocks = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], known.shape[:2] + (1,)),
                             known], axis=-1)                                # [B, A, K]
   positions = lengths[:, None] + jnp.arange(k)[None]                       # [B, K]
-  return drafter(target.embed(blocks), positions, dcache, limit + 1, spec.drafter_window)
+  return drafter(target.embed(blocks), positions, dcache, limit + 1, spec.drafter_window,
+                 kernels=target.layer_kernels)
 
 
 def main_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit):

@@ -10,11 +10,13 @@ block is bidirectional and sees all of the context.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cure_jax.models import layer_kernels
 from cure_jax.models.cache import KVCache
 from cure_jax.models.layers import RMSNorm, Rope, SwiGLU, attend, linear, rope_from_hf
 
@@ -146,9 +148,34 @@ class DraftLayer(nnx.Module):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
 
-  def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, block_mask):
+  def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, block_mask, kernels: bool = False):
+    """kernels: on an NVIDIA GPU, the blocks' rows go through gpu_layer's kernels
+    (`through_kernels`) where they take the layer."""
+    if kernels and layer_kernels.takes(self, math.prod(x.shape[:-1])):
+      return layer_kernels.on_gpu(self.through_kernels, self._xla, x, positions, ctx_k, ctx_v,
+                                  ctx_mask, block_mask)
+    return self._xla(x, positions, ctx_k, ctx_v, ctx_mask, block_mask)
+
+  def _xla(self, x, positions, ctx_k, ctx_v, ctx_mask, block_mask):
     x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_mask, block_mask)
     return x + self.mlp(self.post_attention_layernorm(x))
+
+  def through_kernels(self, x, positions, ctx_k, ctx_v, ctx_mask, block_mask, *,
+                      interpret: bool = False):
+    """__call__ as gpu_layer's kernels (x [B, A, K, H], B x A x K rows at most
+    gpu_layer.MAX_ROWS)."""
+    cfg = self.self_attn.cfg
+    b, a, t, hidden = x.shape
+    cos, sin = (jnp.broadcast_to(p[:, None], (b, a, t, p.shape[-1])).reshape(b * a * t, -1)
+                for p in cfg.rope.phases(positions))                     # positions [B, K]
+
+    def rows_attend(q, k, v):            # rows -> the blocks' [B, A, K, heads, D] and back
+      q, k, v = (y.reshape(b, a, t, *y.shape[1:]) for y in (q, k, v))
+      return attend(q, ctx_k, ctx_v, k, v, ctx_mask, block_mask).reshape(b * a * t, *q.shape[3:])
+
+    rows, _ = layer_kernels.through_kernels(self, x.reshape(b * a * t, hidden), cos, sin,
+                                            rows_attend, interpret=interpret)
+    return rows.reshape(x.shape)
 
 
 class DFlash(nnx.Module):
@@ -174,7 +201,8 @@ class DFlash(nnx.Module):
     kvs = [layer.self_attn.kv(c, positions) for layer in self.layers]
     return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
 
-  def __call__(self, block_embeds, positions, cache: KVCache, block_len, window: int = 0):
+  def __call__(self, block_embeds, positions, cache: KVCache, block_len, window: int = 0,
+               kernels: bool = False):
     """Drafts blocks that share one context.
 
     block_embeds: [B, A, K, H] target embeddings of the block tokens (anchor, then mask or known
@@ -182,7 +210,8 @@ class DFlash(nnx.Module):
     >= block_len are hidden (a block shortened near the end of generation); window: the block
     sees only the last `window` context positions (0: all of them), as SGLang's DFlash draft
     window does (block drafters' acceptance is reported to fall past ~16k tokens of context); the
-    target's verification keeps the output exact whatever the drafter sees.
+    target's verification keeps the output exact whatever the drafter sees; kernels: on an
+    NVIDIA GPU each layer's rows go through gpu_layer's kernels (the target's layer_kernels).
     Returns normed hidden states [B, A, K, H].
     """
     k = block_embeds.shape[2]
@@ -195,7 +224,7 @@ class DFlash(nnx.Module):
     block_mask = jnp.arange(k)[None, :] < block_len[:, None]               # [B, K]
     block_mask = jnp.broadcast_to(block_mask[:, None, None, :], x.shape[:2] + (k, k))
     for i, layer in enumerate(self.layers):
-      x = layer(x, positions, cache.k[i], cache.v[i], ctx_mask, block_mask)
+      x = layer(x, positions, cache.k[i], cache.v[i], ctx_mask, block_mask, kernels)
     return self.norm(x)
 
   def scale_logits(self, logits):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cure_jax.models.cache import KVCache
-from cure_jax.models import numerics
+from cure_jax.models import layer_kernels, numerics
 from cure_jax.models.kernels import blocks, gpu_layer, prefix as prefix_attention
 from cure_jax.models.layers import (Linear, RMSNorm, Rope, SwiGLU, attend, einsum_f32,
                                     embed_lookup, linear, rope_from_hf)
@@ -131,8 +131,10 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, positions, k_old, v_old, mask, kernels: bool = False):
     """kernels: on an NVIDIA GPU, decoding's rows (up to gpu_layer.MAX_ROWS) go through
     gpu_layer's kernels (`through_kernels`) where they take the layer."""
-    if kernels and self._kernels_take(x, mask):
-      return on_gpu(self.through_kernels, self._xla, x, positions, k_old, v_old, mask)
+    if (kernels and not isinstance(mask, prefix_attention.Prefix)
+        and layer_kernels.takes(self, x.shape[0] * x.shape[1])):
+      return layer_kernels.on_gpu(self.through_kernels, self._xla, x, positions, k_old, v_old,
+                                  mask)
     return self._xla(x, positions, k_old, v_old, mask)
 
   def _xla(self, x, positions, k_old, v_old, mask):
@@ -156,39 +158,20 @@ class DecoderLayer(nnx.Module):
              else numerics.value_exponents(*args))
     self.value_exponents = nnx.Variable(bound)
 
-  def _kernels_take(self, x, mask) -> bool:
-    cfg = self.self_attn.cfg
-    return (isinstance(self.mlp, SwiGLU) and not isinstance(mask, prefix_attention.Prefix)
-            and not numerics.invariant() and blocks.one_device()
-            and gpu_layer.takes(x.shape[0] * x.shape[1], cfg.hidden_size,
-                                cfg.intermediate_size, cfg.head_dim))
-
   def through_kernels(self, x, positions, k_old, v_old, mask, *, interpret: bool = False):
     """__call__ as gpu_layer's kernels (x [B, T, H], B x T rows at most gpu_layer.MAX_ROWS)."""
-    attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.cfg
+    cfg = self.self_attn.cfg
     b, t, hidden = x.shape
-    d = cfg.head_dim
-    rows = x.reshape(b * t, hidden)
-    cos, sin = (p.reshape(b * t, d // 2) for p in cfg.rope.phases(positions))
-    norms = (attn.q_norm.weight[...], attn.k_norm.weight[...]) if cfg.qk_norm else (None, None)
-    q, k, v = gpu_layer.qkv(rows, self.input_layernorm.weight[...], attn.q_proj.kernel[...],
-                            attn.k_proj.kernel[...], attn.v_proj.kernel[...], *norms, cos, sin,
-                            eps=cfg.rms_eps, head_dim=d, interpret=interpret)
-    k, v = (y.reshape(b, t, cfg.num_kv_heads, d) for y in (k, v))
-    out = cached(q.reshape(b, t, cfg.num_heads, d), k, v, k_old, v_old, mask)
-    rows = gpu_layer.project(out.reshape(b * t, -1), attn.o_proj.kernel[...], rows,
-                             interpret=interpret)
-    h = gpu_layer.swiglu(rows, self.post_attention_layernorm.weight[...],
-                         mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], eps=cfg.rms_eps,
-                         interpret=interpret)
-    rows = gpu_layer.project(h, mlp.down_proj.kernel[...], rows, interpret=interpret)
-    return rows.reshape(b, t, hidden), (k, v)
+    cos, sin = (p.reshape(b * t, -1) for p in cfg.rope.phases(positions))
 
+    def attend(q, k, v):                 # rows -> the cache's [B, T, heads, D] and back
+      out = cached(q.reshape(b, t, cfg.num_heads, -1), k.reshape(b, t, cfg.num_kv_heads, -1),
+                   v.reshape(b, t, cfg.num_kv_heads, -1), k_old, v_old, mask)
+      return out.reshape(b * t, cfg.num_heads, -1)
 
-def on_gpu(gpu, other, *args):
-  """gpu(*args) on NVIDIA GPUs, other(*args) elsewhere (the tests' seam to run the GPU form,
-  interpreted, on CPU)."""
-  return jax.lax.platform_dependent(*args, cuda=gpu, default=other)
+    rows, kv = layer_kernels.through_kernels(self, x.reshape(b * t, hidden), cos, sin, attend,
+                                             interpret=interpret)
+    return rows.reshape(b, t, hidden), tuple(y.reshape(b, t, *y.shape[1:]) for y in kv)
 
 
 class Output(NamedTuple):
@@ -265,7 +248,7 @@ class Qwen3(nnx.Module):
       return gpu_layer.head_argmax(x.reshape(-1, h), w, by_rows=by_rows,
                                    interpret=interpret).reshape(lead)
 
-    return on_gpu(gpu, lambda x, _: self._argmax(x), hidden, head)
+    return layer_kernels.on_gpu(gpu, lambda x, _: self._argmax(x), hidden, head)
 
   def _argmax(self, hidden):
     return jnp.argmax(self.logits(hidden), axis=-1).astype(jnp.int32)
