@@ -56,7 +56,7 @@ def new_mask(mask_new, a: int, t: int, u: int):
   return mn.reshape(b, a * t, a * u)
 
 
-def triton_operands(q, k_old, mask_old, k_new, v_new, mask_new):
+def triton_operands(q, mask_old, k_new, v_new, mask_new):
   """The GPU (Triton) kernels' operands, in the layouts the projections write (so no transposed
   copy is made): hi [B] int32 (each batch row's last visible cache slot + 1, the end of its
   programs' loops), q as [B, A*T, KVH, G, D], the cache mask [B, A*T, S] int8, the new tokens

@@ -189,7 +189,7 @@ def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = 
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, *, interpret: bool = False):
   """`layers.attend`'s contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]) through the kernel,
   with the rows and shards of `blocks`."""
-  hi, qr, mask, kn, vn, mn = blocks.triton_operands(q, k_old, mask_old, k_new, v_new, mask_new)
+  hi, qr, mask, kn, vn, mn = blocks.triton_operands(q, mask_old, k_new, v_new, mask_new)
   rows, heads, batch = blocks.ROW_HEADS, blocks.HEADS, blocks.BATCH
   call = blocks.per_shard(functools.partial(kernel_call, interpret=interpret),
                           (batch, rows, heads, heads, batch, rows, rows, batch), rows)

@@ -171,7 +171,7 @@ def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, exponents, *,
            interpret: bool = False):
   """numerics.attend's contract (q [B, A, T, H, D] ... -> [B, A, T, H, D]; exponents [KVH * D])
   through the kernel, with the rows of `blocks`."""
-  hi, qr, mask, kn, vn, mn = blocks.triton_operands(q, k_old, mask_old, k_new, v_new, mask_new)
+  hi, qr, mask, kn, vn, mn = blocks.triton_operands(q, mask_old, k_new, v_new, mask_new)
   e = exponents.reshape(k_old.shape[1], -1)                               # [KVH, D]
   scale = jnp.ldexp(jnp.ones(e.shape, jnp.float32), GRID - e)
   out = kernel_call(hi, scale, qr, k_old, v_old, mask, kn, vn, mn, interpret=interpret)
