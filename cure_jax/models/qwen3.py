@@ -164,13 +164,13 @@ class DecoderLayer(nnx.Module):
     b, t, hidden = x.shape
     cos, sin = (p.reshape(b * t, -1) for p in cfg.rope.phases(positions))
 
-    def attend(q, k, v):                 # rows -> the cache's [B, T, heads, D] and back
+    def rows_attend(q, k, v):            # rows -> the cache's [B, T, heads, D] and back
       out = cached(q.reshape(b, t, cfg.num_heads, -1), k.reshape(b, t, cfg.num_kv_heads, -1),
                    v.reshape(b, t, cfg.num_kv_heads, -1), k_old, v_old, mask)
       return out.reshape(b * t, cfg.num_heads, -1)
 
-    rows, kv = layer_kernels.through_kernels(self, x.reshape(b * t, hidden), cos, sin, attend,
-                                             interpret=interpret)
+    rows, kv = layer_kernels.through_kernels(self, x.reshape(b * t, hidden), cos, sin,
+                                             rows_attend, interpret=interpret)
     return rows.reshape(b, t, hidden), tuple(y.reshape(b, t, *y.shape[1:]) for y in kv)
 
 
