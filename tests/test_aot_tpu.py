@@ -13,6 +13,7 @@ layer's attention scores to HBM and read them back twice).
 import fcntl
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -73,3 +74,38 @@ def test_attention_is_one_kernel_per_layer(compiled):
   assert compiled["decode/ar/b1"]["iteration"]["kernels"] == ARCH.layers
   chain = compiled["decode/chain/b1"]["iteration"]["kernels"]
   assert chain == ARCH.layers + ARCH.draft_layers          # verification + one drafter pass
+
+
+_EXACT_CHILD = """
+import sys
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from cure_jax.models.kernels import tpu_exact_attention
+device = topologies.get_topology_desc("v5e:2x2", "tpu").devices[0]
+one = jax.sharding.SingleDeviceSharding(device)
+for b, t, s in ((1, 1, 2048), (8, 16, 2048), (1, 100, 1024)):   # a step, a block, a tree
+  kvh, h, d = 2, 8, 128
+  arg = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype, sharding=one)
+  args = (arg(b, 1, t, h, d), arg(b, kvh, s, d), arg(b, kvh, s, d), arg(b, 1, t, kvh, d),
+          arg(b, 1, t, kvh, d), arg(b, 1, t, s, dtype=bool), arg(b, 1, t, t, dtype=bool),
+          arg(kvh * d, dtype=jnp.int32))
+  text = jax.jit(tpu_exact_attention.attend).lower(*args).compile().as_text()
+  print(b, t, s, text.count('custom_call_target="tpu_custom_call"'))
+"""
+
+
+def test_the_exact_attention_kernel_compiles_for_a_tpu():
+  """numerics=invariant's TPU attention (tpu_exact_attention) through Mosaic, XLA's real TPU
+  compiler, for one decoding row, a 16-row block at batch 8 and a 100-node tree (rows padded
+  to whole blocks): one kernel each. Interpret mode on CPU (tests/test_numerics.py) checks its
+  sums, not that Mosaic takes its layouts."""
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip('libtpu is not installed (pip install "jax[tpu]==<jax version>"; .ci/run does)')
+  with open(LOCK, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)   # one libtpu process at a time on this machine
+    run = subprocess.run([sys.executable, "-c", _EXACT_CHILD], env=aot_child.child_env(),
+                         capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  counts = [line.split() for line in run.stdout.splitlines()]
+  assert [c[:3] for c in counts] == [["1", "1", "2048"], ["8", "16", "2048"], ["1", "100", "1024"]]
+  assert all(c[3] == "1" for c in counts), counts

@@ -14,7 +14,7 @@ from configs import common
 from cure_jax.analysis import random_models
 from cure_jax.models import layers, numerics
 from cure_jax.models.qwen3 import Qwen3
-from cure_jax.models.kernels import gpu_exact_attention, gpu_rows
+from cure_jax.models.kernels import gpu_exact_attention, gpu_rows, tpu_exact_attention
 from cure_jax.models.kernels import prefix as prefix_attention
 from cure_jax.runtime import pipeline
 from tests.test_attention_kernels import _inputs, reference
@@ -23,10 +23,11 @@ ROWS = [1, 2, 3, 8, 16, 17, 32, 33, 64, 100]
 # the embedded default's (SmolLM2-135M) products as (K, N): q/o, k/v, gate/up, down and the tied
 # head, each a weight held as rows [N, K] times x [M, K]
 PRODUCTS = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
-# the invariant attention's two forms: XLA's elementwise tensors (CPU, TPU) and the GPU kernel,
-# run here in Pallas interpret mode
+# the invariant attention's three forms: XLA's elementwise tensors (CPU) and the GPU and TPU
+# kernels, run here in Pallas interpret mode
 ATTENDS = {"elementwise": numerics._elementwise_attend,
-           "gpu": functools.partial(gpu_exact_attention.attend, interpret=True)}
+           "gpu": functools.partial(gpu_exact_attention.attend, interpret=True),
+           "tpu": functools.partial(tpu_exact_attention.attend, interpret=True)}
 
 
 def _rows_alone_vs_together(product, k, n, seed):
@@ -190,7 +191,7 @@ def test_attention_does_not_depend_on_where_the_keys_lie(form):
   block), the block as a tree node beside 3 siblings and at another batch row: bitwise the same
   output. The default form differs between the first two."""
   rng = np.random.default_rng(2)
-  h, kvh, d, s, n = 8, 2, 64, 96, 40
+  h, kvh, d, s, n = 8, 2, 64, 128, 40
   q = rng.standard_normal((1, 1, 1, h, d)).astype(np.float32)
   k, v = (rng.standard_normal((1, kvh, s, d)).astype(np.float32) for _ in range(2))
 

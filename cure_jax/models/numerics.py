@@ -26,7 +26,7 @@ bitwise, whatever else is computed with them:
   int32 limbs on TPUs), so the sum is the same in any order and any split between cache and new
   tokens. The values' grid is set by a bound taken from the layer's weights (value_exponents),
   the same for every token, so no pass over the cache finds it. On an NVIDIA GPU (one device)
-  all of it is gpu_exact_attention's kernel.
+  all of it is gpu_exact_attention's kernel, on a TPU tpu_exact_attention's.
 What runs on GPUs and TPUs is compiled here, not run: their row invariance rests on fixed tiles
 (and, on TPUs, on XLA's dots) computing each entry the same way wherever it lies in a tile, which
 a device has to confirm.
@@ -43,7 +43,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cure_jax.models.kernels import blocks, gpu_exact_attention, gpu_rows
+from cure_jax.models.kernels import blocks, gpu_exact_attention, gpu_rows, tpu_exact_attention
 
 MODES = ("default", "invariant")
 MIN_ROWS, MAX_ROWS = 2, 16   # rows per matmul tile in invariant mode (XLA:CPU: tests/test_numerics)
@@ -216,19 +216,24 @@ def value_exponents(v_rows, norm_weight):
 
 
 def attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, exponents):
-  """layers.attend in invariant mode (shapes there), with exponents [KVH * D] or [KVH, D] bounding every
-  value |v| < 2^e (value_exponents); exact in any order and any split of the keys between cache
-  and new tokens, for up to MAX_TERMS keys. On NVIDIA GPUs (one device) gpu_exact_attention's
-  kernel; elsewhere _elementwise_attend."""
+  """layers.attend in invariant mode (shapes there), with exponents [KVH * D] or [KVH, D]
+  bounding every value |v| < 2^e (value_exponents); exact in any order and any split of the keys
+  between cache and new tokens, for up to MAX_TERMS keys. On NVIDIA GPUs (one device)
+  gpu_exact_attention's kernel, on TPUs tpu_exact_attention's (for caches in whole blocks of its
+  keys); elsewhere _elementwise_attend."""
   if k_old.shape[2] + k_new.shape[2] > MAX_TERMS:
     raise ValueError(f"numerics=invariant attends at most {MAX_TERMS} keys exactly; the cache "
                      f"holds {k_old.shape[2]} and {k_new.shape[2]} new: lower max_len")
   args = (q, k_old, v_old, k_new, v_new, mask_old, mask_new, exponents)
+  platforms = {}
   if gpu_exact_attention.tiles(k_old.shape[2], q.shape[3] // k_old.shape[1], q.shape[4]) and (
       blocks.one_device()):
-    return jax.lax.platform_dependent(*args, cuda=gpu_exact_attention.attend,
-                                      default=_elementwise_attend)
-  return _elementwise_attend(*args)
+    platforms["cuda"] = gpu_exact_attention.attend
+  if tpu_exact_attention.tiles(k_old.shape[2]):
+    platforms["tpu"] = tpu_exact_attention.attend
+  if not platforms:
+    return _elementwise_attend(*args)
+  return jax.lax.platform_dependent(*args, **platforms, default=_elementwise_attend)
 
 
 def _elementwise_attend(q, k_old, v_old, k_new, v_new, mask_old, mask_new, exponents):

@@ -33,43 +33,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from cure_jax.models.kernels import blocks, gpu_attention
+from cure_jax.models.kernels.exact_sums import GRID, add, halves, value
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _KEYS = 16   # keys per step: a step's [rows, keys, head_dim] weighted values sit in registers
 _ROWS = 16   # query rows per program: Triton's dot takes at least 16
-_HALF = 22   # bits per limb: a term below 2^44 is two halves; a block's sum of them fits int32
-GRID = 44    # numerics._GRID: a sum's terms are cut to 2^-GRID of its bound
 
 
 def tiles(s: int, groups: int, head_dim: int) -> bool:
   """Whether the kernel takes a cache of S slots (whole blocks of keys) and these heads
   (gpu_attention.heads_tile)."""
   return s > 0 and s % _KEYS == 0 and gpu_attention.heads_tile(groups, head_dim)
-
-
-def _halves(t):
-  """t (float32, |t| < 2^44, its fraction to be dropped) as int32 (high, low): trunc(t) =
-  high 2^22 + low, both of t's sign. t - high 2^22 is exact (the low bits of t)."""
-  high = (t * 2.0 ** -_HALF).astype(jnp.int32)
-  return high, (t - high.astype(jnp.float32) * 2.0 ** _HALF).astype(jnp.int32)
-
-
-def _add(limbs, high, low):
-  """limbs (l0, l1, l2) of an integer l2 2^44 + l1 2^22 + l0 with l0, l1 in [0, 2^22), plus
-  high 2^22 + low; |high|, |low| < 2^30."""
-  l0, l1, l2 = limbs
-  l0 = l0 + low
-  carry = jax.lax.shift_right_arithmetic(l0, _HALF)
-  l0 = l0 - (carry << _HALF)
-  l1 = l1 + high + carry
-  carry = jax.lax.shift_right_arithmetic(l1, _HALF)
-  return l0, l1 - (carry << _HALF), l2 + carry
-
-
-def _value(limbs, unit):
-  """The limbs' integer times unit (float32), one fixed sequence of roundings."""
-  l0, l1, l2 = (x.astype(jnp.float32) for x in limbs)
-  return ((l2 * 2.0 ** _HALF + l1) * 2.0 ** _HALF + l0) * unit
 
 
 def _kernel(hi_ref, scale_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn_ref, out_ref, *,
@@ -114,11 +88,11 @@ def _kernel(hi_ref, scale_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn
       out = []
       for q, top, (total, acc) in zip(qs, tops, carry):
         p = jnp.where(seen, jnp.exp(scores(q, k, seen) - top[:, None]), 0.0)     # [R, KEYS]
-        high, low = _halves(p * 2.0 ** (GRID - 1))                               # p < 2^1
-        total = _add(total, high.sum(axis=1), low.sum(axis=1))
+        high, low = halves(p * 2.0 ** (GRID - 1))                               # p < 2^1
+        total = add(total, high.sum(axis=1), low.sum(axis=1))
         terms = p[:, :, None] * v.astype(jnp.float32)[None] * scale              # [R, KEYS, D]
-        high, low = _halves(terms)
-        out.append((total, _add(acc, high.sum(axis=1), low.sum(axis=1))))
+        high, low = halves(terms)
+        out.append((total, add(acc, high.sum(axis=1), low.sum(axis=1))))
       return tuple(out)
     return step
 
@@ -130,8 +104,8 @@ def _kernel(hi_ref, scale_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn
   carry = jax.lax.fori_loop(0, cache_steps, sums(cached), carry)
   carry = jax.lax.fori_loop(0, new_steps, sums(new), carry)
   for g, (total, acc) in zip(heads, carry):
-    den = _value(total, 2.0 ** (1 - GRID))
-    out = _value(acc, 1.0 / scale) / jnp.where(den > 0, den, 1.0)[:, None]
+    den = value(total, 2.0 ** (1 - GRID))
+    out = value(acc, 1.0 / scale) / jnp.where(den > 0, den, 1.0)[:, None]
     plgpu.store(out_ref.at[:, g, :], out.astype(out_ref.dtype), mask=real)
 
 
