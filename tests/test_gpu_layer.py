@@ -132,3 +132,36 @@ def test_greedy_decoding_through_the_gpu_kernels_equals_the_xla_path(monkeypatch
   assert {s[1] for s in hidden} >= {1, arch.block_size}    # decoding steps and verification
   blocks = {s[1] for s in traced if len(s) == 4}           # the drafter's [B, A, K, H]
   assert 1 in blocks and max(blocks) > 1, traced          # the main block, cure's re-drafts
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_greedy_drafts_through_the_head_kernel_take_the_first_largest_logit(reduced, monkeypatch):
+  """The drafter's greedy tokens with the head through head_argmax (interpreted), over the whole
+  vocabulary or a reduced one (the id of the best of its entries), against numpy's argmax of
+  exact logits: zeros and ones in the head and the hidden states make many maxima equal, and
+  the first must win."""
+  from cure_jax.analysis import random_models
+  arch = random_models.Arch(vocab=64, hidden=64, heads=2, kv_heads=1, head_dim=32,
+                            block_size=8, target_layer_ids=(0, 2))
+  target, drafter = random_models.pair(arch, seed=3)
+  rng = np.random.default_rng(int(reduced))
+  w = rng.integers(0, 2, (arch.vocab, arch.hidden)).astype(np.float32)         # rows [V, H]
+  if target.cfg.tie_embeddings:
+    target.embed_tokens.embedding[...] = jnp.asarray(w)
+  else:
+    target.lm_head.kernel[...] = jnp.asarray(w.T)
+  x = rng.integers(0, 2, (2, 5, arch.hidden)).astype(np.float32)
+  ids = (np.sort(rng.choice(arch.vocab, 32, replace=False)) if reduced
+         else np.arange(arch.vocab))
+  want = ids[np.argmax(x.astype(np.int64) @ w[ids].T.astype(np.int64), axis=-1)]
+  kernels = []
+
+  def interpreted(gpu, other, *args):
+    kernels.append(args[-1].shape)
+    return gpu(*args, interpret=True)
+
+  monkeypatch.setattr(layer_kernels, "on_gpu", interpreted)
+  vocab = tuple(int(i) for i in ids) if reduced else ()
+  got = drafter.draft_argmax(jnp.asarray(x), target, vocab)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert kernels and len(ids) in kernels[0]            # the head kernel read len(ids) entries

@@ -1,5 +1,6 @@
 """Invariants of the gate and the static-shape repair tree over many random drafts and budgets."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
@@ -128,3 +129,19 @@ def test_invalid_settings_are_refused_with_the_fix():
                      (dict(max_depth=20), "max_depth")]:
     with pytest.raises(ValueError, match=match):
       repair.RepairConfig(**bad).validate(block_size=16)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6))
+def test_top_k_passes_equal_lax_top_k_ties_included(seed, k):
+  """The passes repair.top_k takes off NVIDIA GPUs against jax.lax.top_k (what it takes on
+  them): the same values and indices, equal values to the lower index first. Values drawn from
+  a few levels, with -inf among them, so ties are everywhere; each row has k finite values at
+  least (a draft vocabulary of k tokens or more: past them the passes would repeat an index)."""
+  rng = np.random.default_rng(seed)
+  x = rng.choice(np.array([-np.inf, -1.0, 0.0, 0.5, 2.0], np.float32), size=(3, 4, 40))
+  x[..., rng.permutation(40)[:k]] = rng.choice(np.array([-1.0, 0.5], np.float32), (3, 4, k))
+  values, indices = repair._top_k_passes(jnp.asarray(x), k)
+  want_values, want_indices = jax.lax.top_k(jnp.asarray(x), k)
+  np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+  np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))

@@ -79,6 +79,8 @@ class Cure(block.TreeBlockDrafter):
     def redraft():
       hidden = block.hidden(target, drafter, dcache, spec, anchor, lengths, limit, known)
       rows = hidden[jnp.arange(b)[:, None], path, t.depth]                  # [B, V, H]
+      if spec.sampling.greedy and not a:                   # the tokens alone: no logits written
+        return drafter.draft_argmax(rows, target, spec.draft_vocab), empty_q, no_alts
       row_logits = drafter.draft_logits(rows, target, spec.draft_vocab)    # [B, V, N]
       tokens, q = choose(spec, key_repair, row_logits)
       row_alts = (block.alternatives(spec, log_q(spec, row_logits), tokens) if a else no_alts)

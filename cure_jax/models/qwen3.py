@@ -233,25 +233,33 @@ class Qwen3(nnx.Module):
       return numerics.matmul(hidden, self.head_weight())
     return einsum_f32("...h,vh->...v", hidden, self.head_weight())
 
-  def greedy(self, hidden):
-    """The argmax of logits(hidden) [..., H] -> [...] int32, the first of equal maxima; on
-    NVIDIA GPUs (layer_kernels, default numerics, one device) without writing the float32
-    logits (gpu_layer.head_argmax)."""
+  def greedy(self, hidden, ids=None, rows=None):
+    """The argmax of logits(hidden) [..., H] -> [...] int32, the first of equal maxima; with
+    ids [N] (sorted token ids), the id of the argmax of logits_rows(hidden, ids, rows). On NVIDIA
+    GPUs (layer_kernels, default numerics, one device) without writing the float32 logits
+    (gpu_layer.head_argmax)."""
     lead, h = hidden.shape[:-1], hidden.shape[-1]
+    n = self.cfg.vocab_size if ids is None else len(ids)
     if not (self.layer_kernels and self.numerics == "default" and blocks.one_device()
-            and gpu_layer.head_takes(math.prod(lead), h, self.cfg.vocab_size)):
-      return self._argmax(hidden)
-    by_rows = self._head_by_rows()
-    head = self.head_weight() if by_rows else self.lm_head.kernel[...]
+            and gpu_layer.head_takes(math.prod(lead), h, n)):
+      best = self._argmax(hidden, ids, rows)
+    else:
+      by_rows = self._head_by_rows()
+      if ids is not None:
+        head = self.head_rows(ids) if rows is None else rows
+      else:
+        head = self.head_weight() if by_rows else self.lm_head.kernel[...]
 
-    def gpu(x, w, interpret: bool = False):
-      return gpu_layer.head_argmax(x.reshape(-1, h), w, by_rows=by_rows,
-                                   interpret=interpret).reshape(lead)
+      def gpu(x, w, interpret: bool = False):
+        return gpu_layer.head_argmax(x.reshape(-1, h), w, by_rows=by_rows,
+                                     interpret=interpret).reshape(lead)
 
-    return layer_kernels.on_gpu(gpu, lambda x, _: self._argmax(x), hidden, head)
+      best = layer_kernels.on_gpu(gpu, lambda x, w: self._argmax(x, ids, w), hidden, head)
+    return best if ids is None else jnp.asarray(ids, jnp.int32)[best]
 
-  def _argmax(self, hidden):
-    return jnp.argmax(self.logits(hidden), axis=-1).astype(jnp.int32)
+  def _argmax(self, hidden, ids=None, rows=None):
+    logits = self.logits(hidden) if ids is None else self.logits_rows(hidden, ids, rows)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
   def head_weight(self):
     """The head's weights as vocabulary rows [V, H]: the embedding when tied."""
