@@ -137,3 +137,32 @@ def test_config_errors_name_the_field():
     pipeline.auto_settings(config)
   config.auto.costs = "0.03,0.05"
   assert pipeline.auto_settings(config).costs == (0.03, 0.05)
+
+
+def test_plain_steps_leave_the_drafter_as_a_fresh_prefill_would(pair):
+  """Plain steps keep their rows' features and the drafter takes them in together when the
+  plain loop ends (decoding.resync_pending, up to PENDING rows at once): after a run of plain
+  steps broken by looks, the drafter's context cache holds what a drafter prefilled on every
+  committed token holds, slot for slot (float32; one product over several rows against one
+  per row: 1e-5). Taking the rows in at the wrong positions, or not at all, breaks it."""
+  import jax.numpy as jnp
+  import numpy as np
+  from cure_jax.runtime import decoding
+  target, drafter = pair
+  gen = _auto(target, drafter, (1.0, 50.0, 60.0), explore_every=5, explore_overhead=100.0,
+              fallback=False)
+  gen.max_new_tokens = 3 * decoding.PENDING
+  prompt = random_models.prompts(6, ARCH.vocab, 1)[0]
+  spec = gen.spec(128)
+  ids = jnp.asarray([prompt], jnp.int32)
+  state = decoding.prefill(gen.graphdef, gen.params, ids, jnp.asarray([len(prompt)]), spec=spec)
+  state = decoding.decode(gen.graphdef, gen.params, state, spec=spec)
+  budgets = np.asarray(state.stats.budget[0, :int(state.iterations[0])])
+  assert (budgets == 1).sum() > decoding.PENDING and (budgets > 1).any()   # a full buffer too
+  committed = prompt + [int(t) for t in state.tokens[0, :int(state.produced[0]) - 1]]
+  fresh = decoding.prefill(gen.graphdef, gen.params, jnp.asarray([committed], jnp.int32),
+                           jnp.asarray([len(committed)]), spec=spec)
+  n = len(committed)
+  assert int(state.dcache.lengths[0]) == int(fresh.dcache.lengths[0]) == n
+  for got, want in zip(state.dcache.k + state.dcache.v, fresh.dcache.k + fresh.dcache.v):
+    np.testing.assert_allclose(np.asarray(got)[0, :, :n], np.asarray(want)[0, :, :n], atol=1e-5)
