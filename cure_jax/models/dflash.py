@@ -242,8 +242,11 @@ class DFlash(nnx.Module):
       return jnp.argmax(self.draft_logits(hidden, target, vocab), axis=-1).astype(jnp.int32)
     if not vocab:
       return target.greedy(hidden)
-    held = getattr(self, "held_vocab", None) == tuple(vocab)
-    return target.greedy(hidden, np.asarray(vocab, np.int32), self.held_rows if held else None)
+    return target.greedy(hidden, np.asarray(vocab, np.int32), self._held_rows(vocab))
+
+  def _held_rows(self, vocab: tuple[int, ...]):
+    """The head rows hold_head_rows gathered, when they are `vocab`'s; else None."""
+    return self.held_rows if getattr(self, "held_vocab", None) == tuple(vocab) else None
 
   def hold_head_rows(self, target, vocab: tuple[int, ...], rows=None):
     """Gathers the head rows of `vocab` now (or takes them: rows, target.head_rows gathered
@@ -266,9 +269,7 @@ class DFlash(nnx.Module):
     if not vocab:
       return self.scale_logits(target.logits(hidden))
     ids = np.asarray(vocab, np.int32)
-    held = getattr(self, "held_vocab", None) == tuple(vocab)
-    w = self.held_rows if held else None
-    rows = self.scale_logits(target.logits_rows(hidden, ids, w))          # [..., N]
+    rows = self.scale_logits(target.logits_rows(hidden, ids, self._held_rows(vocab)))  # [..., N]
     # each token's logit read from its place in rows (a gather XLA fuses into the consumer; a
     # scatter into a -inf array wrote and copied [..., V] first: 0.35 GB an iteration at
     # Qwen3-8B chain batch 8)

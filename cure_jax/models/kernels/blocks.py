@@ -39,6 +39,13 @@ def cache_mask(mask_old, a: int, t: int):
   return jnp.broadcast_to(mask_old, (b, a, t, s)).reshape(b, a * t, s)
 
 
+def last_block(visible, block: int):
+  """visible [B, S] (the cache slots any of a batch row's queries sees) -> [B] int32 the last
+  block of `block` slots holding one (0 when none does): a TPU kernel's grid stops there."""
+  seen = jnp.max(jnp.where(visible, jnp.arange(visible.shape[-1]) + 1, 0), axis=-1)
+  return jnp.maximum(seen - 1, 0) // block
+
+
 def new_tokens(k_new, v_new, mask_new, t: int):
   """k_new/v_new [B, A, U, KVH, D] -> [B, KVH, A*U, D] side by side; mask_new [B, A or 1, T, U]
   -> [B, A*T, A*U], block-diagonal."""

@@ -86,8 +86,7 @@ def kernel_call(q, k_old, v_old, mask_old, k_new, v_new, mask_new, *, interpret:
   s, n = k_old.shape[2], k_new.shape[2]
   sb = key_block(s)
   sq = pl.squeezed
-  seen = jnp.max(jnp.where(jnp.any(mask_old != 0, axis=1), jnp.arange(s) + 1, 0), axis=-1)
-  last = jnp.maximum(seen - 1, 0) // sb                                    # [B] int32
+  last = blocks.last_block(jnp.any(mask_old != 0, axis=1), sb)            # [B] int32
   cache = lambda i, h, j, last: (i, h, jnp.minimum(j, last[i]), 0)        # noqa: E731
   whole = lambda i, h, j, last: (i, h, 0, 0)                              # noqa: E731
   return pl.pallas_call(

@@ -125,17 +125,17 @@ def kernel_call(scale, q, k_old, v_old, mask_old, k_new, v_new, mask_new, *, liv
   row_blocks, rows = mask_old.shape[1], mask_old.shape[3]
   cache_blocks = s // _KEYS
   sq = pl.squeezed
-  seen = jnp.max(jnp.where(jnp.any(mask_old != 0, axis=(1, 3)), jnp.arange(s) + 1, 0), axis=-1)
-  last = jnp.maximum(seen - 1, 0) // _KEYS                                 # [B] int32
+  last = blocks.last_block(jnp.any(mask_old != 0, axis=(1, 3)), _KEYS)    # [B] int32
 
-  def cache(i, h, rb, p, j, last):                  # the block in use (repeated: not fetched)
-    return i, h, jnp.minimum(j, jnp.minimum(last[i], cache_blocks - 1)), 0
+  # the cache block in use, past the last one seen that one repeated (not fetched again)
+  def cache(i, h, rb, p, j, last):
+    return i, h, jnp.minimum(j, last[i]), 0
 
   def values(i, h, rb, p, j, last):                 # phase 0 reads no values: one block stays
-    return i, h, jnp.minimum(j * p, jnp.minimum(last[i], cache_blocks - 1)), 0
+    return i, h, jnp.minimum(j * p, last[i]), 0
 
   def cache_mask(i, h, rb, p, j, last):
-    return i, rb, jnp.minimum(j, jnp.minimum(last[i], cache_blocks - 1)), 0
+    return i, rb, jnp.minimum(j, last[i]), 0
 
   per_block = lambda i, h, rb, p, j, last: (i, h, 0, rb, 0)               # noqa: E731
   whole = lambda i, h, rb, p, j, last: (i, h, 0, 0)                       # noqa: E731
