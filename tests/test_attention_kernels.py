@@ -53,8 +53,8 @@ def _inputs(shape, seed, shared_mask=False):
   lengths = rng.integers(0, s + 1, b)
   lengths[0] = 0                                                          # an empty context
   visible = np.arange(s)[None] < lengths[:, None]                         # [B, S]
-  mask_old = np.broadcast_to(visible[:, None, None], (b, 1 if shared_mask else a, t, s))
-  if not shared_mask:                                   # tree rows that see only part of it
+  mask_old = visible[:, None, None]                     # [B, 1, 1, S]: every row's, as a tree's
+  if not shared_mask:                                   # rows that see only part of it
     mask_old = mask_old & (rng.random((b, a, t, s)) < 0.9)
   mask_new = (rng.random((b, a, t, u)) < 0.5) | np.eye(t, u, dtype=bool)  # each row sees one
   return (f(b, a, t, h, d), f(b, kvh, s, d), f(b, kvh, s, d), f(b, a, u, kvh, d),
@@ -63,8 +63,9 @@ def _inputs(shape, seed, shared_mask=False):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_equals_softmax_attention(kernel, shape):
-  args = _inputs(shape, seed=sum(shape), shared_mask=shape[1] > 1)
+@pytest.mark.parametrize("shared_mask", [False, True])
+def test_kernel_equals_softmax_attention(kernel, shape, shared_mask):
+  args = _inputs(shape, seed=sum(shape), shared_mask=shared_mask)
   want = reference(*(np.asarray(x, np.float64) if x.dtype != bool else
                      np.broadcast_to(x, args[0].shape[:3] + x.shape[-1:]) for x in args))
   got = KERNELS[kernel][0](*map(jnp.asarray, args), interpret=True)

@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 
 from cure_jax.analysis import random_models
+from cure_jax.methods import block
 from cure_jax.runtime import cost_curve, decoding, draft_vocab
 from cure_jax.runtime.generation import Generator
-from cure_jax.tree import repair, sampling
+from cure_jax.tree import best_first, repair, sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = random_models.Arch(vocab=16)
@@ -172,3 +173,30 @@ def test_the_timed_drafter_pass_drafts_what_the_loop_drafts():
       np.testing.assert_array_equal(a, b)
   jax.tree.map(same, held, decoding.propose(t, d, spec, st)[0])
   assert cost_curve.draft_seconds(gen.graphdef, gen.params, spec, 2) > 0
+
+
+def test_ddtree_from_the_compact_logits_is_the_tree_of_the_whole_vocabulary():
+  """ddtree ranks the draft vocabulary's N logits alone and maps positions back to tokens: the
+  same tree, tokens and path log-probabilities as jax.lax.top_k over the [.., V] logits with
+  -inf outside the vocabulary (DFlash.draft_logits)."""
+  target, drafter = random_models.pair(ARCH, 3)
+  vocab = (1, 4, 5, 8, 11, 14)
+  cure = repair.RepairConfig(v_max=12, topk=3, max_depth=ARCH.block_size - 1)
+  gen = Generator(target, drafter, method="ddtree", max_new_tokens=4, draft_vocab=vocab,
+                  cure=cure)
+  spec = gen.spec(gen.cache_len(8))
+  st = cost_curve._start(gen.graphdef, gen.params, spec, 2)
+  t, d = nnx.merge(gen.graphdef, gen.params)
+  got = decoding.propose(t, d, spec, st)[0]
+  limit = decoding.depth_limit(spec, st.cache.lengths, st.produced)
+  logits = block.main_logits(t, d, st.dcache, spec, st.anchor, st.cache.lengths, limit)
+  assert np.all(np.isneginf(np.asarray(logits)[..., np.setdiff1d(np.arange(ARCH.vocab), vocab)]))
+  logq = jax.nn.log_softmax(logits, axis=-1)
+  logp, tokens = jax.lax.top_k(logq, 3)
+  want = best_first.ddtree(st.anchor, tokens, logp, limit, v_max=12)
+  np.testing.assert_array_equal(got.tree.tokens, want.tokens)
+  np.testing.assert_array_equal(got.tree.parent, want.parent)
+  rows = jnp.arange(2)[:, None]
+  own = logq[rows, jnp.maximum(want.depth - 1, 0), want.tokens]
+  np.testing.assert_allclose(got.path_logp, best_first.cumulative(want, own), rtol=1e-6,
+                             atol=1e-6)

@@ -387,3 +387,40 @@ def test_convolutions_count_as_the_dots_they_are():
   out = hlo_traffic.count(CONVOLUTION_HLO)["program"]
   assert out["dot_flops"] == (2 * 8 * 32 * 64 + 2 * 4 * 24 * 3 * 16
                               + 2 * 4 * 2 * 64 * 32 * 128)
+
+
+CONCAT_HLO = """HloModule m
+
+%fused_rows (p0: f32[256,64], p1: f32[256,32], p2: s32[16,1]) -> f32[16,96] {
+  %p0 = f32[256,64]{1,0} parameter(0)
+  %p1 = f32[256,32]{1,0} parameter(1)
+  %p2 = s32[16,1]{1,0} parameter(2)
+  %c = f32[256,96]{1,0} concatenate(%p0, %p1), dimensions={1}
+  ROOT %g = f32[16,96]{1,0} gather(%c, %p2), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,96}
+}
+
+ENTRY %main (a: f32[256,64], b: f32[256,32], i: s32[16,1]) -> f32[16,96] {
+  %a = f32[256,64]{1,0} parameter(0)
+  %b = f32[256,32]{1,0} parameter(1)
+  %i = s32[16,1]{1,0} parameter(2)
+  ROOT %f = f32[16,96]{1,0} fusion(%a, %b, %i), kind=kLoop, calls=%fused_rows
+}
+"""
+
+
+def test_a_gather_through_a_concatenate_reads_its_rows_of_each_piece():
+  """16 of 256 rows gathered from two pieces concatenated along the columns read those rows of
+  each piece; a slice that cuts the concatenated columns could read any piece, so both count
+  whole."""
+  out = hlo_traffic.count(CONCAT_HLO, {0: "a", 1: "b"})["program"]["by_label"]
+  assert out["a"] == 16 * 64 * 4 and out["b"] == 16 * 32 * 4
+  cut = (CONCAT_HLO.replace("slice_sizes={1,96}", "slice_sizes={1,48}")
+         .replace("f32[16,96]", "f32[16,48]"))
+  out = hlo_traffic.count(cut, {0: "a", 1: "b"})["program"]["by_label"]
+  assert out["a"] == 256 * 64 * 4 and out["b"] == 256 * 32 * 4
+  rows = CONCAT_HLO.replace(
+      "ROOT %g = f32[16,96]{1,0} gather(%c, %p2), offset_dims={1}, collapsed_slice_dims={0}, "
+      "start_index_map={0}, index_vector_dim=1, slice_sizes={1,96}",
+      "ROOT %g = f32[16,96]{1,0} slice(%c), slice={[64:80], [0:96]}")
+  out = hlo_traffic.count(rows, {0: "a", 1: "b"})["program"]["by_label"]
+  assert out["a"] == 16 * 64 * 4 and out["b"] == 16 * 32 * 4

@@ -14,7 +14,9 @@ whole operand even when the fusion only slices it. This module reads the optimiz
 - slicing ops (dynamic-slice, slice, gather, also inside a fusion) read only what they produce,
   and inside a fusion, through converts, unary elementwise ops and reductions before them, the
   same share of those ops' input (XLA's loop emitter computes only the sliced elements: a slice
-  of a reduced split-K partial product reads its columns of every split, not the whole);
+  of a reduced split-K partial product reads its columns of every split, not the whole), and
+  through a concatenate whose slices keep its concatenated dimension whole, the same share of
+  each piece (a gather of a tree's accepted rows from its layers' features, concatenated);
   in-place updates (dynamic-update-slice, scatter, also as a fusion's root) read and write only
   the update;
 - every byte is labelled by where its buffer comes from (the entry parameter it started as, e.g.
@@ -82,6 +84,7 @@ _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _PALLAS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
+_SLICE = re.compile(r"slice=\{((?:\[[\d:]+\],?\s*)+)\}")
 ACTIVATION = "activation"
 
 
@@ -171,6 +174,29 @@ def _convolution_flops(ins: Instr, comp: Computation) -> float:
           * rhs[labels[1].index("i")] * taps)
 
 
+def _whole_pieces(fused: Computation, concat: Instr) -> bool:
+  """Whether every user of `concat` is a slicing op that keeps the concatenated dimension whole,
+  so that it reads each piece in the share it reads of the result."""
+  dim = int(re.search(r"dimensions=\{(\d+)\}", concat.attrs).group(1))
+  size = _arrays(concat.shape)[0].dims[dim]
+  for u in fused.users[concat.name]:
+    if u.operands[0] != concat.name or u.operands.count(concat.name) != 1:
+      return False
+    if u.opcode == "slice":
+      spans = re.findall(r"\[(\d+):(\d+)(?::(\d+))?\]", _SLICE.search(u.attrs).group(1))
+      start, stop, step = spans[dim]
+      if (int(start), int(stop), int(step or 1)) != (0, size, 1):
+        return False
+    elif u.opcode in ("gather", "dynamic-slice"):
+      key = "slice_sizes" if u.opcode == "gather" else "dynamic_slice_sizes"
+      sizes = re.search(key + r"=\{([\d,]*)\}", u.attrs)
+      if not sizes or int(sizes.group(1).split(",")[dim]) != size:
+        return False
+    else:
+      return False
+  return True
+
+
 class _Counter:
   """Walks control computations, propagating buffer labels from the entry parameters."""
 
@@ -228,6 +254,9 @@ class _Counter:
       elif u.opcode in _PER_ELEMENT and u.operands[0] == name and all(
           fused.by_name[o].opcode == "constant" for o in u.operands[1:]):
         made = sum(a.bytes for a in _arrays(u.shape))      # the share of u's result read
+        total += full * self._read_of(fused, u.name, made) / made if made else full
+      elif u.opcode == "concatenate" and u.operands.count(name) == 1 and _whole_pieces(fused, u):
+        made = sum(a.bytes for a in _arrays(u.shape))      # each piece read in the same share
         total += full * self._read_of(fused, u.name, made) / made if made else full
       elif u.opcode == "fusion" and u.operands.count(name) == 1:
         inner = self.comps[_called(u.attrs, "calls")[0]]

@@ -8,6 +8,7 @@ settings (`cure.*`: node budget, depth, alternatives) that cure, ddtree and hybr
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from cure_jax.methods.base import Method, Spec
 from cure_jax.models.dflash import DFlash
@@ -95,10 +96,28 @@ def hidden(target, drafter, dcache, spec: Spec, anchor, lengths, limit, known=No
                  kernels=target.layer_kernels)
 
 
-def main_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit):
-  """The main draft block's float32 logits [B, K-1, V]."""
+def main_logits(target, drafter, dcache, spec: Spec, anchor, lengths, limit,
+                compact: bool = False):
+  """The main draft block's float32 logits [B, K-1, V]; compact: over the draft vocabulary's N
+  tokens alone, [B, K-1, N] (DFlash.draft_rows; token_ids maps a position to its token)."""
   out = hidden(target, drafter, dcache, spec, anchor, lengths, limit)
-  return drafter.draft_logits(out[:, 0, 1:], target, spec.draft_vocab)
+  logits = drafter.draft_rows if compact else drafter.draft_logits
+  return logits(out[:, 0, 1:], target, spec.draft_vocab)
+
+
+def token_ids(spec: Spec, index):
+  """The tokens at positions index [...] of the compact logits' last axis."""
+  return jnp.asarray(np.asarray(spec.draft_vocab, np.int32))[index] if spec.draft_vocab else index
+
+
+def vocab_index(spec: Spec, vocab_size: int, tokens):
+  """The positions of tokens [...] on the compact logits' last axis (0 for one outside the draft
+  vocabulary)."""
+  if not spec.draft_vocab:
+    return tokens
+  where = np.zeros(vocab_size, np.int32)
+  where[np.asarray(spec.draft_vocab)] = np.arange(len(spec.draft_vocab), dtype=np.int32)
+  return jnp.asarray(where)[tokens]
 
 
 def alternatives(spec: Spec, logq, drafted):

@@ -19,16 +19,20 @@ class DDTree(block.TreeBlockDrafter):
     so under sampling each is tested as a one-hot q (sampling without replacement from the
     residual), which is lossless whichever tokens were chosen."""
     del key, want_tree
-    logits = block.main_logits(target, drafter, dcache, spec, anchor, lengths, limit)
-    logq = log_q(spec, logits)                                              # [B, K-1, N]
-    logp, tokens = repair.top_k(logq, spec.cure.topk)                       # [B, K-1, k]
+    logits = block.main_logits(target, drafter, dcache, spec, anchor, lengths, limit,
+                               compact=True)                                # [B, K-1, N]
+    logq = log_q(spec, logits)
+    logp, index = repair.top_k(logq, spec.cure.topk)                        # [B, K-1, k]
+    tokens = block.token_ids(spec, index)
     t = best_first.ddtree(anchor, tokens, logp, limit, v_max=spec.cure.v_max)
     rows = jnp.arange(t.tokens.shape[0])[:, None]
-    own = logq[rows, jnp.maximum(t.depth - 1, 0), t.tokens]                 # [B, V]
+    vocab = target.cfg.vocab_size
+    at = block.vocab_index(spec, vocab, t.tokens)                           # [B, V]
+    own = logq[rows, jnp.maximum(t.depth - 1, 0), at]                       # [B, V]
     proposal = Proposal(t, block_margins=repair.margins(logits),
                         path_logp=best_first.cumulative(t, own))
     if spec.sampling.greedy:
       return proposal, dcache
     b, v = t.tokens.shape
-    return proposal.replace(q=jnp.zeros((b, v, logits.shape[-1])),
+    return proposal.replace(q=jnp.zeros((b, v, vocab)),
                             deterministic=jnp.ones((b, v), bool)), dcache

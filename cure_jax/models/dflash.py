@@ -258,21 +258,28 @@ class DFlash(nnx.Module):
     self.held_rows = nnx.data(target.head_rows(np.asarray(vocab, np.int32)) if rows is None
                               else rows)
 
-  def draft_logits(self, hidden, target, vocab: tuple[int, ...] = ()):
-    """Float32 draft logits [..., V] of block hidden states [..., H] through the target's head.
-
-    vocab: sorted token ids the drafter may propose (empty: all). Only their N head rows are
-    read (gathered here, or once by hold_head_rows); every other token gets -inf, so argmax,
-    top-k and sampling see probability 0 there and the target's verification keeps the output
-    exact.
-    """
+  def draft_rows(self, hidden, target, vocab: tuple[int, ...] = ()):
+    """Float32 draft logits [..., N] of block hidden states [..., H] for the N tokens of `vocab`
+    (sorted ids; empty: all V, in id order): only their head rows are read (gathered here, or
+    once by hold_head_rows). The compact form a top-k takes: on GPUs XLA's TopK kernel needs
+    its input written, and draft_logits' [..., V] would be (ddtree at 256 nodes with a
+    32,768-token vocabulary: 0.04 GB an iteration)."""
     if not vocab:
       return self.scale_logits(target.logits(hidden))
     ids = np.asarray(vocab, np.int32)
-    rows = self.scale_logits(target.logits_rows(hidden, ids, self._held_rows(vocab)))  # [..., N]
+    return self.scale_logits(target.logits_rows(hidden, ids, self._held_rows(vocab)))
+
+  def draft_logits(self, hidden, target, vocab: tuple[int, ...] = ()):
+    """Float32 draft logits [..., V]: draft_rows with every token outside `vocab` at -inf, so
+    argmax, top-k and sampling see probability 0 there and the target's verification keeps the
+    output exact."""
+    rows = self.draft_rows(hidden, target, vocab)                          # [..., N]
+    if not vocab:
+      return rows
     # each token's logit read from its place in rows (a gather XLA fuses into the consumer; a
     # scatter into a -inf array wrote and copied [..., V] first: 0.35 GB an iteration at
     # Qwen3-8B chain batch 8)
+    ids = np.asarray(vocab, np.int32)
     where = np.zeros(target.cfg.vocab_size, np.int32)
     where[ids] = np.arange(len(ids), dtype=np.int32)
     kept = np.zeros(target.cfg.vocab_size, bool)

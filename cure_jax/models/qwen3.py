@@ -92,7 +92,7 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(d, cfg.rms_eps, dtype)
 
   def __call__(self, x, positions, k_old, v_old, mask, exponents=None):
-    """x [B, T, H]; mask [B, T, S + T] or a prompt chunk's Prefix; exponents: numerics=
+    """x [B, T, H]; mask as `cached` takes it or a prompt chunk's Prefix; exponents: numerics=
     invariant's bound on the values (layers.attend). Returns the output [B, T, H] and this
     layer's new (k, v) [B, T, KVH, D]; for a Prefix, its cache (k, v) [B, KVH, S, D] with the
     chunk written in."""
@@ -114,10 +114,15 @@ class Attention(nnx.Module):
 
 def cached(q, k, v, k_old, v_old, mask, exponents=None):
   """Attention of q [B, T, H, D] over the cache and the new k, v [B, T, KVH, D] under mask
-  [B, T, S + T]: [B, T, H, D]."""
-  s = k_old.shape[2]
-  return attend(q[:, None], k_old, v_old, k[:, None], v[:, None], mask[:, None, :, :s],
-                mask[:, None, :, s:], exponents=exponents)[:, 0]
+  [B, T, S + T] or a pair (over the cache [B, T or 1, S], over the new tokens [B, T, T]):
+  [B, T, H, D]."""
+  if isinstance(mask, tuple):
+    old, new = mask
+  else:
+    s = k_old.shape[2]
+    old, new = mask[..., :s], mask[..., s:]
+  return attend(q[:, None], k_old, v_old, k[:, None], v[:, None], old[:, None], new[:, None],
+                exponents=exponents)[:, 0]
 
 
 class DecoderLayer(nnx.Module):
@@ -288,8 +293,9 @@ class Qwen3(nnx.Module):
 
   def __call__(self, tokens, positions, cache: KVCache, mask, feature_layers: tuple[int, ...] = (),
                depth: int | None = None):
-    """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens], or a
-    Prefix when the tokens are a prompt chunk (chunked prefill): then the output's k and v are
+    """tokens, positions [B, T]; mask [B, T, S + T] over [cache slots ; new tokens], or the
+    pair (over the cache [B, T or 1, S], over the new tokens [B, T, T]), or a Prefix when the
+    tokens are a prompt chunk (chunked prefill): then the output's k and v are
     the cache's layers with the chunk written in (`cache.replace(k=.., v=..).advance(count)`).
 
     feature_layers uses the transformers `hidden_states` index: 0 is the embedding output, i the

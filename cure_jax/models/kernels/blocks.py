@@ -66,11 +66,14 @@ def new_mask(mask_new, a: int, t: int, u: int):
 def triton_operands(q, mask_old, k_new, v_new, mask_new):
   """The GPU (Triton) kernels' operands, in the layouts the projections write (so no transposed
   copy is made): hi [B] int32 (each batch row's last visible cache slot + 1, the end of its
-  programs' loops), q as [B, A*T, KVH, G, D], the cache mask [B, A*T, S] int8, the new tokens
-  [B, A*U, KVH, D] side by side and their block-diagonal mask [B, A*T, A*U] int8."""
+  programs' loops), q as [B, A*T, KVH, G, D], the cache mask int8, [B, 1, S] when mask_old
+  [B, 1, 1, S] is every row's (a verified tree's, a drafter block's: one row read, not A*T) and
+  else [B, A*T, S], the new tokens [B, A*U, KVH, D] side by side and their block-diagonal mask
+  [B, A*T, A*U] int8."""
   b, a, t, h, d = q.shape
   u, kvh = k_new.shape[2:4]
-  mask = cache_mask(mask_old, a, t)                                       # [B, A*T, S]
+  shared = mask_old.shape[1:3] == (1, 1)
+  mask = mask_old[:, 0] if shared else cache_mask(mask_old, a, t)        # [B, 1 or A*T, S]
   slot = jnp.arange(1, mask.shape[-1] + 1, dtype=jnp.int32)
   hi = jnp.max(jnp.where(mask, slot, 0), axis=(1, 2))                     # [B]
   kn, vn = (x.reshape(b, a * u, kvh, d) for x in (k_new, v_new))

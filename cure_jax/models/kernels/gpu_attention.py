@@ -16,8 +16,10 @@ so HBM sees the queries, the cache, the masks, the new tokens and small per-rang
   way: no transposed copy on either side (at 256 rows, 0.45 GB an iteration of Qwen3-8B).
 - *Only the filled part of the cache.* Each batch row's last visible slot bounds the loop, so a
   program past it reads nothing: a 300-token context reads 300 slots, not `max_len`.
-- *Tree masks.* Each query row has its own mask over the cache and over the new tokens (a tree's
-  ancestors, a drafter block's own tokens), int8; the last range's program attends the new ones.
+- *Tree masks.* Each query row has its own mask over the new tokens (a tree's ancestors, a
+  drafter block's own tokens), int8, and over the cache its own or, where the caller shares one
+  (a verified tree, a drafter block), its batch row's; the last range's program attends the new
+  ones.
 - *No padded copies.* Rows come in blocks of 16 and new tokens in a power-of-two block of at
   least 16 (Triton's dot); the rows and tokens past the real ones are masked loads and stores, so
   a single query needs no padded copy of q, the new keys and values, or the masks (three to five
@@ -77,6 +79,27 @@ def dot_block(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())
 
 
+def mask_spec(mask, rows: int, keys: int, index):
+  """The BlockSpec of a cache mask [B, R or 1, S] (blocks.triton_operands) for programs of
+  `rows` query rows and `keys` slots, index(*program ids) -> (batch row, row block, key block);
+  a mask the rows share is one row of every block."""
+  shared = mask.shape[1] == 1
+
+  def block(*ids):
+    i, r, j = index(*ids)
+    return i, 0 if shared else r, j
+
+  return pl.BlockSpec((pl.squeezed, 1 if shared else rows, keys), block)
+
+
+def cache_seen(mask_ref, keys, real):
+  """[R or 1, N] bool: the cache mask's block at slots `keys`, rows past the real ones (real
+  [R, 1]) not loaded; one row when the rows share it."""
+  if mask_ref.shape[0] == 1:
+    return mask_ref[:, keys] != 0
+  return plgpu.load(mask_ref.at[:, keys], mask=real, other=0) != 0
+
+
 def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn_ref, *out_refs,
             scale: float, groups: int, split: int, num_rows: int, num_new: int, precision):
   """One (batch row, KV head, row block, cache range): q [R, G, D], k/v [L, D], mask [R, L];
@@ -110,8 +133,7 @@ def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn_ref, *out_
 
   def step(i, carry):
     keys = pl.ds(i * _KEYS, _KEYS)
-    seen = plgpu.load(mask_ref.at[:, keys], mask=real, other=0) != 0
-    return update(carry, k_ref[keys, :], v_ref[keys, :], seen)
+    return update(carry, k_ref[keys, :], v_ref[keys, :], cache_seen(mask_ref, keys, real))
 
   def attend_new(carry):
     kn, vn = (plgpu.load(ref, mask=new[:, None], other=0) for ref in (kn_ref, vn_ref))
@@ -135,7 +157,7 @@ def _kernel(hi_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn_ref, *out_
 
 def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = False):
   """hi [B] int32 (cache slots past it are masked for every row); q [B, R, KVH, G, D];
-  k/v [B, KVH, S, D]; mask [B, R, S] int8; k_new/v_new [B, U, KVH, D] and mask_new [B, R, U]
+  k/v [B, KVH, S, D]; mask [B, R or 1, S] int8; k_new/v_new [B, U, KVH, D] and mask_new [B, R, U]
   int8. Returns the attention [B, R, KVH, G, D] in q's dtype: written by the kernel when the
   cache is one range, else merged here from the J ranges' unnormalised sums [B, J, R, KVH, G, D]
   (f32) and row maxima and denominators [B, J, R, KVH, G]."""
@@ -167,7 +189,7 @@ def kernel_call(hi, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = 
           pl.BlockSpec((sq, _ROWS, sq, g, d), lambda i, h, r, j: (i, r, h, 0, 0)),
           pl.BlockSpec((sq, sq, split, d), lambda i, h, r, j: (i, h, j, 0)),
           pl.BlockSpec((sq, sq, split, d), lambda i, h, r, j: (i, h, j, 0)),
-          pl.BlockSpec((sq, _ROWS, split), lambda i, h, r, j: (i, r, j)),
+          mask_spec(mask, _ROWS, split, lambda i, h, r, j: (i, r, j)),
           pl.BlockSpec((sq, n, sq, d), lambda i, h, r, j: (i, 0, h, 0)),
           pl.BlockSpec((sq, n, sq, d), lambda i, h, r, j: (i, 0, h, 0)),
           pl.BlockSpec((sq, _ROWS, n), lambda i, h, r, j: (i, r, 0)),

@@ -61,7 +61,7 @@ def _kernel(hi_ref, scale_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn
 
   def cached(i):
     keys = pl.ds(i * _KEYS, _KEYS)
-    seen = plgpu.load(mask_ref.at[:, keys], mask=real, other=0) != 0
+    seen = gpu_attention.cache_seen(mask_ref, keys, real)
     return k_ref[keys, :], v_ref[keys, :], seen
 
   def new(i):
@@ -111,7 +111,7 @@ def _kernel(hi_ref, scale_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, mn
 
 def kernel_call(hi, scale, q, k, v, mask, k_new, v_new, mask_new, *, interpret: bool = False):
   """hi [B] int32 (slots past it are masked for every row); scale [KVH, D] float32, 2^(44 - e)
-  of the values' bound 2^e; q [B, R, KVH, G, D]; k/v [B, KVH, S, D]; mask [B, R, S] int8;
+  of the values' bound 2^e; q [B, R, KVH, G, D]; k/v [B, KVH, S, D]; mask [B, R or 1, S] int8;
   k_new/v_new [B, U, KVH, D] and mask_new [B, R, U] int8. Returns [B, R, KVH, G, D] in q's
   dtype."""
   b, r, kvh, g, d = q.shape
@@ -130,7 +130,7 @@ def kernel_call(hi, scale, q, k, v, mask, k_new, v_new, mask_new, *, interpret: 
           pl.BlockSpec((sq, _ROWS, sq, g, d), lambda i, h, j: (i, j, h, 0, 0)),
           pl.BlockSpec((sq, sq, s, d), lambda i, h, j: (i, h, 0, 0)),
           pl.BlockSpec((sq, sq, s, d), lambda i, h, j: (i, h, 0, 0)),
-          pl.BlockSpec((sq, _ROWS, s), lambda i, h, j: (i, j, 0)),
+          gpu_attention.mask_spec(mask, _ROWS, s, lambda i, h, j: (i, j, 0)),
           pl.BlockSpec((sq, n, sq, d), lambda i, h, j: (i, 0, h, 0)),
           pl.BlockSpec((sq, n, sq, d), lambda i, h, j: (i, 0, h, 0)),
           pl.BlockSpec((sq, _ROWS, n), lambda i, h, j: (i, j, 0)),
