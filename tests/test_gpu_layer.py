@@ -29,13 +29,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize("new", [1, 20, 64])
-def test_new_tokens_through_the_layer_kernels_match_transformers(name, new, monkeypatch,
-                                                                  tmp_path):
-  """BATCH x new rows (2, 40 and 128: partial blocks of 16 and 64 rows, a whole one of 128)
-  through every layer's kernels, attending the cached prompt and each other causally: logits as
-  transformers'."""
+@pytest.mark.parametrize("name, new, row_block",
+                         [(name, new, gpu_layer.ROW_BLOCK) for name in CASES for new in (1, 20, 64)]
+                         + [(name, 20, 16) for name in CASES])
+def test_new_tokens_through_the_layer_kernels_match_transformers(name, new, row_block,
+                                                                  monkeypatch, tmp_path):
+  """BATCH x new rows (2, 40 and 128: partial blocks of 16 and 64 rows, a whole one of 128; and
+  40 in blocks of 16, the last partial, as more rows than ROW_BLOCK go) through every layer's
+  kernels, attending the cached prompt and each other causally: logits as transformers'."""
+  monkeypatch.setattr(gpu_layer, "ROW_BLOCK", row_block)
   config_cls, model_cls, kwargs = CASES[name]
   hf_model = random_hf_model(config_cls, model_cls, **_SIZES, **kwargs)
   hf_model.save_pretrained(tmp_path)
@@ -69,22 +71,24 @@ def test_new_tokens_through_the_layer_kernels_match_transformers(name, new, monk
 
 
 def test_the_kernels_take_decoding_rows_only():
-  """A layer goes through the kernels for up to 256 rows (a 256-node tree at batch 1), and heads
-  whose rope halves Triton's dot takes; more rows (a batch of trees) or an odd head keep XLA's
-  path."""
-  assert gpu_layer.takes(256, 4096, 12288, 128) and gpu_layer.takes(1, 576, 1536, 64)
-  assert not gpu_layer.takes(257, 4096, 12288, 128)
+  """A layer goes through the kernels for up to 1,024 rows (CURE's re-drafts at batch 8, 640;
+  chain at batch 32, 512), and heads whose rope halves Triton's dot takes; more rows (a prompt
+  chunk) or an odd head keep XLA's path."""
+  assert gpu_layer.takes(1024, 4096, 12288, 128) and gpu_layer.takes(1, 576, 1536, 64)
+  assert not gpu_layer.takes(1025, 4096, 12288, 128)
   assert not gpu_layer.takes(1, 64, 96, 16)                 # halves of 8
   assert not gpu_layer.takes(1, 64, 96, 96)                 # halves of 48
   assert not gpu_layer.takes(1, 72, 96, 32)                 # hidden not in tiles of 16
 
 
 @pytest.mark.parametrize("by_rows", [False, True])
-@pytest.mark.parametrize("m", [1, 20, 130])
-def test_head_argmax_takes_the_first_largest_logit(m, by_rows):
+@pytest.mark.parametrize("m, row_block", [(1, 256), (20, 256), (130, 256), (130, 32)])
+def test_head_argmax_takes_the_first_largest_logit(m, row_block, by_rows, monkeypatch):
   """head_argmax (interpreted) against numpy's argmax of exact logits: zeros and ones make every
   float32 sum an exact count, so the many equal maxima must go to the first index, within a
-  block of the vocabulary and across blocks (a block of columns repeated further on)."""
+  block of the vocabulary and across blocks (a block of columns repeated further on); also with
+  the rows in blocks of 32, the last partial."""
+  monkeypatch.setattr(gpu_layer, "ROW_BLOCK", row_block)
   rng = np.random.default_rng(m)
   k, v = 32, 512
   x = rng.integers(0, 2, (m, k)).astype(np.float32)

@@ -94,12 +94,13 @@ def depth_limit(spec: Spec, lengths, produced):
   return jnp.clip(jnp.minimum(jnp.minimum(owed, room), spec.max_depth), 0, None)
 
 
-def choose(spec: Spec, key, logits):
+def choose(spec: Spec, key, logits, first=None):
   """Draft tokens from logits [..., V]: argmax, or a draw from the warped distribution q.
+  first [...]: the argmax, where the caller has it (a top-k's first index: the same token).
 
   Returns tokens [...] and q [..., V] (None when greedy)."""
   if spec.sampling.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    return (jnp.argmax(logits, axis=-1) if first is None else first).astype(jnp.int32), None
   q = sampling.warp(logits, spec.sampling)
   return sampling.draw(key, q), q
 

@@ -153,9 +153,9 @@ def expected_gain(top_logits, logsumexp, budget):
   return prefix * alt_mass * (1.0 + jnp.stack(runs[::-1], axis=1))
 
 
-def select(logits, draft, draft_len, cfg: RepairConfig):
+def select(logits, draft, draft_len, cfg: RepairConfig, top=None):
   """Chooses UFPs from draft logits [B, K-1, V]; draft [B, K-1] the drafted tokens; draft_len
-  [B] usable positions.
+  [B] usable positions; top: top_k(logits, b_max + 1) where the caller has it.
 
   Returns the Gate and the alternatives [B, K-1, b_max]: the best-ranked tokens other than the
   drafted one (ranks 2..b_max+1 under greedy drafting).
@@ -165,7 +165,7 @@ def select(logits, draft, draft_len, cfg: RepairConfig):
   chex.assert_shape(draft, (b, km1))
   chex.assert_shape(draft_len, (b,))
   chex.assert_type([logits, draft, draft_len], [float, int, int])
-  top, idx = top_k(logits, cfg.b_max + 1)                                   # [B, K-1, b_max+1]
+  top, idx = top_k(logits, cfg.b_max + 1) if top is None else top           # [B, K-1, b_max+1]
   margins = top[..., 0] - top[..., 1]
   if cfg.dynamic:
     u = jnp.clip(1.0 - margins / cfg.margin_scale, 0.0, 1.0)

@@ -18,10 +18,14 @@ Greedy verification needs of the head only each row's largest logit: `head_argma
 block of the vocabulary on chip, so the [rows, vocabulary] float32 logits (155 MB for a 256-node
 tree of Qwen3-8B) are neither written nor read back.
 
-All rows (up to MAX_ROWS) are one block of a power of two, at least 16 (Triton's smallest dot),
-loaded and stored under a mask, so no padded copy is made, and each weight tile is read once, by
-one program; K is summed in float32, in steps of up to 128 (64 for blocks of 128 rows or more, so
-that a step's tiles fit shared memory).
+Rows (up to MAX_ROWS) come in blocks of a power of two, at least 16 (Triton's smallest dot) and
+at most ROW_BLOCK, loaded and stored under a mask, so no padded copy is made. Up to ROW_BLOCK
+rows (a 256-node tree) each weight tile is read by one program; more rows (CURE's re-drafts at
+batch 8, 640 rows; a batch of trees) are a grid axis of row blocks, the fastest-varying, so the
+programs that read one weight tile run side by side and all but the first find it in L2 (the
+count reads each operand once; a GPU's timing says what L2 keeps). K is summed in float32, in
+steps of up to 128 (64 for blocks of 128 rows or more, so that a step's tiles fit shared
+memory).
 Rounding follows the XLA path's (layers.RMSNorm, Linear, Rope, SwiGLU): the projections' outputs
 rounded to the model's dtype, norms and rope computed in float32 from them.
 Tested in Pallas interpret mode inside the target against transformers (tests/test_gpu_layer.py).
@@ -39,7 +43,8 @@ from jax.experimental.pallas import triton as plgpu
 from cure_jax.models.kernels.gpu_attention import dot_block as _block
 from cure_jax.models.kernels.gpu_rows import largest_dividing as _largest_dividing
 
-MAX_ROWS = 256               # rows a call takes: every row in one block
+ROW_BLOCK = 256              # rows a program takes
+MAX_ROWS = 1024              # rows a call takes, in blocks of ROW_BLOCK
 _DEPTH = (128, 64, 32, 16)   # K per step: the largest that divides K (and the row block allows)
 _COLS = (64, 32, 16)         # output columns per program of project, swiglu, head_argmax
 _PROGRAMS = 128              # enough programs to keep an H100's 132 SMs reading
@@ -53,6 +58,11 @@ def takes(rows: int, hidden: int, intermediate: int, head_dim: int) -> bool:
           and half >= 16 and half & (half - 1) == 0)
 
 
+def _rows(m: int) -> int:
+  """Rows per block: the power of two (at least 16) that holds m, up to ROW_BLOCK."""
+  return min(_block(m), ROW_BLOCK)
+
+
 def _columns(n: int) -> int:
   """Columns per program: the widest tile that still gives _PROGRAMS programs, else the
   narrowest."""
@@ -63,11 +73,17 @@ def _depth(k: int, rows: int) -> int:
   return _largest_dividing(k, _DEPTH[1:] if rows >= 128 else _DEPTH)
 
 
-def _params(m: int):
-  return plgpu.CompilerParams(num_warps=4 if _block(m) <= 32 else 8, num_stages=3)
+def _params(rows: int):
+  return plgpu.CompilerParams(num_warps=4 if rows <= 32 else 8, num_stages=3)
 
 
-def _valid(ref, m: int):
+def _real(m: int, rows: int):
+  """How many of this program's block of rows (grid axis 0) are among the m real ones (its
+  loads and stores mask the rest): m less the blocks' before it."""
+  return m - pl.program_id(0) * rows
+
+
+def _valid(ref, m):
   return jnp.arange(ref.shape[0])[:, None] < m                            # [R, 1]
 
 
@@ -123,7 +139,8 @@ def _qkv_kernel(x_ref, ln_ref, wq_ref, wk_ref, wv_ref, qn_ref, kn_ref, cos_ref, 
                 qk_norm: bool):
   """Program p: query head p, then key head p - heads, then value head p - heads - kv_heads;
   x [R, K], w [K, D] (the head's columns), cos/sin [R, D/2], out [R, D]."""
-  p = pl.program_id(0)
+  p = pl.program_id(1)
+  m = _real(m, x_ref.shape[0])
   half = q_ref.shape[1] // 2
   norm = (_inverse_rms(x_ref, m, eps), ln_ref)
   lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -156,30 +173,33 @@ def qkv(x, ln, wq, wk, wv, q_norm, k_norm, cos, sin, *, eps: float, head_dim: in
   for a model without them); cos/sin [M, D/2] float32 (Rope.phases). Returns q [M, H*D], k and v
   [M, KVH*D]: normed and rotated as the attention takes them."""
   m, k = x.shape
-  d, rows = head_dim, _block(m)
+  d, rows = head_dim, _rows(m)
   heads, kv_heads = wq.shape[1] // d, wk.shape[1] // d
   qk_norm = q_norm is not None
   norms = (q_norm, k_norm) if qk_norm else (ln[:d], ln[:d])    # unread without per-head norms
-  whole = lambda *shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731
-  q_head = lambda p: (0, jnp.minimum(p, heads - 1))                         # noqa: E731
-  k_head = lambda p: (0, jnp.clip(p - heads, 0, kv_heads - 1))              # noqa: E731
-  v_head = lambda p: (0, jnp.clip(p - heads - kv_heads, 0, kv_heads - 1))   # noqa: E731
+  whole = lambda *shape: pl.BlockSpec(shape, lambda r, p: (0,) * len(shape))  # noqa: E731
+  block = lambda cols: pl.BlockSpec((rows, cols), lambda r, p: (r, 0))     # noqa: E731
+  q_head = lambda r, p: (0, jnp.minimum(p, heads - 1))                      # noqa: E731
+  k_head = lambda r, p: (0, jnp.clip(p - heads, 0, kv_heads - 1))           # noqa: E731
+  v_head = lambda r, p: (0, jnp.clip(p - heads - kv_heads, 0, kv_heads - 1))  # noqa: E731
+  out_block = lambda head: lambda r, p: (r, head(r, p)[1])                  # noqa: E731
   return pl.pallas_call(
       functools.partial(_qkv_kernel, m=m, eps=eps, heads=heads, kv_heads=kv_heads,
                         qk_norm=qk_norm),
       out_shape=[jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype) for w in (wq, wk, wv)],
-      grid=(heads + 2 * kv_heads,),
-      in_specs=[whole(rows, k), whole(k), pl.BlockSpec((k, d), q_head),
+      grid=(pl.cdiv(m, rows), heads + 2 * kv_heads),
+      in_specs=[block(k), whole(k), pl.BlockSpec((k, d), q_head),
                 pl.BlockSpec((k, d), k_head), pl.BlockSpec((k, d), v_head), whole(d), whole(d),
-                whole(rows, d // 2), whole(rows, d // 2)],
-      out_specs=[pl.BlockSpec((rows, d), f) for f in (q_head, k_head, v_head)],
-      compiler_params=_params(m),
+                block(d // 2), block(d // 2)],
+      out_specs=[pl.BlockSpec((rows, d), out_block(f)) for f in (q_head, k_head, v_head)],
+      compiler_params=_params(rows),
       interpret=interpret,
   )(x, ln, wq, wk, wv, *norms, cos, sin)
 
 
 def _project_kernel(x_ref, w_ref, r_ref, out_ref, *, m: int):
   """x [R, K] times w [K, C], plus the residual r [R, C]."""
+  m = _real(m, x_ref.shape[0])
   (acc,) = _products(x_ref, m, None, ((w_ref, pl.ds(0, w_ref.shape[1])),),
                      _precision(x_ref.dtype))
   _store(out_ref, _load(r_ref, m) + acc.astype(r_ref.dtype), m)
@@ -190,22 +210,23 @@ def project(x, w, residual, *, interpret: bool = False):
   rounded to the residual's dtype before the add, as `residual + Linear(x)` rounds it."""
   m, k = x.shape
   n = w.shape[1]
-  cols, rows = _columns(n), _block(m)
+  cols, rows = _columns(n), _rows(m)
   return pl.pallas_call(
       functools.partial(_project_kernel, m=m),
       out_shape=jax.ShapeDtypeStruct((m, n), residual.dtype),
-      grid=(n // cols,),
-      in_specs=[pl.BlockSpec((rows, k), lambda j: (0, 0)),
-                pl.BlockSpec((k, cols), lambda j: (0, j)),
-                pl.BlockSpec((rows, cols), lambda j: (0, j))],
-      out_specs=pl.BlockSpec((rows, cols), lambda j: (0, j)),
-      compiler_params=_params(m),
+      grid=(pl.cdiv(m, rows), n // cols),
+      in_specs=[pl.BlockSpec((rows, k), lambda r, j: (r, 0)),
+                pl.BlockSpec((k, cols), lambda r, j: (0, j)),
+                pl.BlockSpec((rows, cols), lambda r, j: (r, j))],
+      out_specs=pl.BlockSpec((rows, cols), lambda r, j: (r, j)),
+      compiler_params=_params(rows),
       interpret=interpret,
   )(x, w, residual)
 
 
 def _swiglu_kernel(x_ref, ln_ref, wg_ref, wu_ref, out_ref, *, m: int, eps: float):
   """RMS-normed x [R, K] times gate and up [K, C]; silu(gate) * up."""
+  m = _real(m, x_ref.shape[0])
   cols = pl.ds(0, wg_ref.shape[1])
   gate, up = (y.astype(x_ref.dtype) for y in _products(
       x_ref, m, (_inverse_rms(x_ref, m, eps), ln_ref), ((wg_ref, cols), (wu_ref, cols)),
@@ -219,16 +240,17 @@ def swiglu(x, ln, w_gate, w_up, *, eps: float, interpret: bool = False):
   w_gate/w_up [K, N] -> [M, N]."""
   m, k = x.shape
   n = w_gate.shape[1]
-  cols, rows = _columns(n), _block(m)
+  cols, rows = _columns(n), _rows(m)
   return pl.pallas_call(
       functools.partial(_swiglu_kernel, m=m, eps=eps),
       out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-      grid=(n // cols,),
-      in_specs=[pl.BlockSpec((rows, k), lambda j: (0, 0)), pl.BlockSpec((k,), lambda j: (0,)),
-                pl.BlockSpec((k, cols), lambda j: (0, j)),
-                pl.BlockSpec((k, cols), lambda j: (0, j))],
-      out_specs=pl.BlockSpec((rows, cols), lambda j: (0, j)),
-      compiler_params=_params(m),
+      grid=(pl.cdiv(m, rows), n // cols),
+      in_specs=[pl.BlockSpec((rows, k), lambda r, j: (r, 0)),
+                pl.BlockSpec((k,), lambda r, j: (0,)),
+                pl.BlockSpec((k, cols), lambda r, j: (0, j)),
+                pl.BlockSpec((k, cols), lambda r, j: (0, j))],
+      out_specs=pl.BlockSpec((rows, cols), lambda r, j: (r, j)),
+      compiler_params=_params(rows),
       interpret=interpret,
   )(x, ln, w_gate, w_up)
 
@@ -242,6 +264,7 @@ def _argmax_kernel(x_ref, w_ref, top_ref, arg_ref, *, m: int, by_rows: bool):
   """One block of C vocabulary entries: x [R, K] times w ([C, K] rows or [K, C] columns); each
   row's largest logit of the block and its first index."""
   rows, k = x_ref.shape
+  m = _real(m, rows)
   cols = w_ref.shape[0] if by_rows else w_ref.shape[1]
   depth = _depth(k, rows)
   contract = (((1,), (1,)), ((), ())) if by_rows else (((1,), (0,)), ((), ()))
@@ -255,9 +278,9 @@ def _argmax_kernel(x_ref, w_ref, top_ref, arg_ref, *, m: int, by_rows: bool):
 
   logits = jax.lax.fori_loop(0, k // depth, step, jnp.zeros((rows, cols), jnp.float32))
   top = logits.max(axis=1)                                                  # [R]
-  ids = pl.program_id(0) * cols + jnp.arange(cols)[None, :]
+  ids = pl.program_id(1) * cols + jnp.arange(cols)[None, :]
   first = jnp.min(jnp.where(logits == top[:, None], ids, jnp.iinfo(jnp.int32).max), axis=1)
-  valid = jnp.arange(rows) < m
+  valid = _valid(x_ref, m)[:, 0]
   plgpu.store(top_ref, top, mask=valid)
   plgpu.store(arg_ref, first, mask=valid)
 
@@ -269,19 +292,19 @@ def head_argmax(x, w, *, by_rows: bool, interpret: bool = False):
   first index, and the blocks' are compared here ([V / C, M] each)."""
   m, k = x.shape
   v = w.shape[0] if by_rows else w.shape[1]
-  cols, rows = _columns(v), _block(m)
+  cols, rows = _columns(v), _rows(m)
   blocks = v // cols
-  weight = (pl.BlockSpec((cols, k), lambda j: (j, 0)) if by_rows else
-            pl.BlockSpec((k, cols), lambda j: (0, j)))
-  part = pl.BlockSpec((pl.squeezed, rows), lambda j: (j, 0))
+  weight = (pl.BlockSpec((cols, k), lambda r, j: (j, 0)) if by_rows else
+            pl.BlockSpec((k, cols), lambda r, j: (0, j)))
+  part = pl.BlockSpec((pl.squeezed, rows), lambda r, j: (j, r))
   top, arg = pl.pallas_call(
       functools.partial(_argmax_kernel, m=m, by_rows=by_rows),
       out_shape=[jax.ShapeDtypeStruct((blocks, m), jnp.float32),
                  jax.ShapeDtypeStruct((blocks, m), jnp.int32)],
-      grid=(blocks,),
-      in_specs=[pl.BlockSpec((rows, k), lambda j: (0, 0)), weight],
+      grid=(pl.cdiv(m, rows), blocks),
+      in_specs=[pl.BlockSpec((rows, k), lambda r, j: (r, 0)), weight],
       out_specs=[part, part],
-      compiler_params=_params(m),
+      compiler_params=_params(rows),
       interpret=interpret,
   )(x, w)
   best = jnp.argmax(top, axis=0)                     # the first block holding a row's maximum
