@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cure_jax.runtime import pipeline, prompts
+from cure_jax.runtime import decoding, generation, pipeline, prompts
 from cure_jax.tree import repair
 from cure_jax.runtime.generation import Generator
 from cure_jax.analysis import random_models
@@ -86,6 +86,21 @@ def test_unknown_compiler_options(pair):
     gen.generate([[1, 2, 3]])
   with pytest.raises(ValueError, match="name=value pairs, not \\['split_k'\\]"):
     pipeline.compiler_options("xla_a=1,split_k")
+
+
+def test_a_platform_default_this_xla_lacks_is_left_out(pair, monkeypatch):
+  """A platform default option (decoding.PLATFORM_OPTIONS) that the installed XLA does not know
+  is dropped, not reported as the user's error; the user's own unknown option still is."""
+  target, _ = pair
+  want = Generator(target, method="ar", max_new_tokens=4).generate([[1, 2, 3]])
+  monkeypatch.setitem(decoding.PLATFORM_OPTIONS, "cpu", {
+      **decoding.PLATFORM_OPTIONS["cpu"], "xla_not_in_this_version": "1"})
+  monkeypatch.setattr(generation, "_EXECUTABLES", {})         # compiled again, with the default
+  got = Generator(target, method="ar", max_new_tokens=4).generate([[1, 2, 3]])
+  assert got[0].output_ids == want[0].output_ids
+  gen = Generator(target, method="ar", max_new_tokens=4, compiler_options={"xla_no_such": "1"})
+  with pytest.raises(ValueError, match="No such compile option: 'xla_no_such'"):
+    gen.generate([[1, 2, 3]])
 
 
 def test_compiler_options_reach_the_compiler_and_keep_the_tokens(pair, tmp_path):
