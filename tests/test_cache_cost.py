@@ -63,4 +63,7 @@ def test_user_options_win_over_the_platform_defaults():
   key = "xla_cpu_copy_insertion_use_region_analysis"
   assert decoding.platform_options("cpu")[key] is True
   assert decoding.platform_options("cpu", {key: False})[key] is False
-  assert decoding.platform_options("tpu") == {}
+  tpu = "xla_tpu_msa_inefficient_use_to_copy_ratio"
+  assert decoding.platform_options("tpu")[tpu] == 1
+  assert decoding.platform_options("tpu", {tpu: 2})[tpu] == 2
+  assert decoding.platform_options("rocm") == {}                    # a platform without defaults
