@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cure_jax.methods.base import Method, Spec
-from cure_jax.models.dflash import DFlash
+from cure_jax.models.dflash import DFlash, vocab_positions
 from cure_jax.tree import repair
 
 
@@ -115,9 +115,7 @@ def vocab_index(spec: Spec, vocab_size: int, tokens):
   vocabulary)."""
   if not spec.draft_vocab:
     return tokens
-  where = np.zeros(vocab_size, np.int32)
-  where[np.asarray(spec.draft_vocab)] = np.arange(len(spec.draft_vocab), dtype=np.int32)
-  return jnp.asarray(where)[tokens]
+  return jnp.asarray(vocab_positions(spec.draft_vocab, vocab_size))[tokens]
 
 
 def alternatives(spec: Spec, logq, drafted):

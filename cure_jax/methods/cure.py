@@ -94,7 +94,7 @@ class Cure(block.TreeBlockDrafter):
     t = t.replace(tokens=jnp.where(drafted, suffix, t.tokens))
     placed = on_path & (t.depth == focal)                                   # by rank: one-hot q
     t, placed = self.fill(spec, t, logits, draft, drafted, placed, suffix_alts, want_tree)
-    proposal = Proposal(t, gate=gate, block_margins=top[0][..., 0] - top[0][..., 1])
+    proposal = Proposal(t, gate=gate, block_margins=repair.gap(top[0]))
     if spec.sampling.greedy:
       return proposal, dcache
     q = branch0_rows(t, jnp.zeros_like(q_main[:, :1]), q_main)

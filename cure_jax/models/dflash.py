@@ -178,6 +178,14 @@ class DraftLayer(nnx.Module):
     return rows.reshape(x.shape)
 
 
+def vocab_positions(vocab: tuple[int, ...], vocab_size: int):
+  """[V] int32: each token's position among the sorted draft vocabulary `vocab` (draft_rows'
+  last axis), 0 for a token outside it."""
+  where = np.zeros(vocab_size, np.int32)
+  where[np.asarray(vocab, np.int32)] = np.arange(len(vocab), dtype=np.int32)
+  return where
+
+
 class DFlash(nnx.Module):
   """Parameter names mirror the DFlash checkpoint (`layers.{i}...`, `fc`, `hidden_norm`, `norm`)."""
 
@@ -279,9 +287,7 @@ class DFlash(nnx.Module):
     # each token's logit read from its place in rows (a gather XLA fuses into the consumer; a
     # scatter into a -inf array wrote and copied [..., V] first: 0.35 GB an iteration at
     # Qwen3-8B chain batch 8)
-    ids = np.asarray(vocab, np.int32)
-    where = np.zeros(target.cfg.vocab_size, np.int32)
-    where[ids] = np.arange(len(ids), dtype=np.int32)
     kept = np.zeros(target.cfg.vocab_size, bool)
-    kept[ids] = True
+    kept[np.asarray(vocab)] = True
+    where = vocab_positions(vocab, target.cfg.vocab_size)
     return jnp.where(kept, jnp.take(rows, where, axis=-1, mode="clip"), -jnp.inf)

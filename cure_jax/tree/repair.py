@@ -129,7 +129,11 @@ def excluding(values, drafted, n: int):
 
 def margins(logits):
   """Top-1 minus top-2 of raw draft logits [..., V] -> [...]."""
-  top = top_k(logits, 2)[0]
+  return gap(top_k(logits, 2)[0])
+
+
+def gap(top):
+  """Top-1 minus top-2 of a top-k's values [..., k >= 2] -> [...]: the margins."""
   return top[..., 0] - top[..., 1]
 
 
@@ -166,7 +170,7 @@ def select(logits, draft, draft_len, cfg: RepairConfig, top=None):
   chex.assert_shape(draft_len, (b,))
   chex.assert_type([logits, draft, draft_len], [float, int, int])
   top, idx = top_k(logits, cfg.b_max + 1) if top is None else top           # [B, K-1, b_max+1]
-  margins = top[..., 0] - top[..., 1]
+  margins = gap(top)
   if cfg.dynamic:
     u = jnp.clip(1.0 - margins / cfg.margin_scale, 0.0, 1.0)
     budget = cfg.b_min + jnp.round(u * (cfg.b_max - cfg.b_min)).astype(jnp.int32)
