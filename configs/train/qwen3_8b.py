@@ -9,7 +9,7 @@ the data is tokens only (8 bytes a token with its label, where stored features w
 The mesh is (data, model): model=4 splits target, drafter, AdamW moments and heads four ways, so
 a v5e chip (16 GB) holds it; each chip's program takes 4 rows (seqs_per_step / mesh.data) of up
 to 3,072 tokens. Compiled for hardware we lack (experiments.aot --programs=train; figures in
-README "Train your own drafter" and WORKSPACE):
+docs/training.md and WORKSPACE):
   v5e 4x4 (16 chips): --config.mesh.model=4 --config.train.seqs_per_step=16
   v5p 2x2x2 (8 chips): --config.mesh.model=2 --config.train.seqs_per_step=16
   8 x H100:            --config.mesh.model=2 --config.train.seqs_per_step=16
