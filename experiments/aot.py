@@ -21,7 +21,8 @@ With a drafter training config, --programs=train compiles its online training st
 A config may carry an `aot` field (configs/qwen3_coder_30b_a3b.py): its target, drafter,
 topology, methods, v_max, batch and output replace these flags' defaults; flags given on the
 command line still win. Writes <output>.json and <output>.md (atomically). libtpu takes a lock
-file: run one TPU compile process per machine at a time.
+file: run one TPU compile process per machine at a time. The work is the library's
+(cure_jax/analysis/aot.py: aot_programs, what is compiled; aot_costs, what it costs).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ _SYNTHETIC_VOCAB = flags.DEFINE_bool("synthetic_vocab", False, "with --config.dr
                                       "which ids); the report says so")
 _RECOUNT = flags.DEFINE_bool("recount", False, "compile nothing: recount the HLO modules a run "
                              "dumped into --dump_hlo and rewrite its --output report")
+
 
 def setting(holder, config):
   """A flag's value: the command line's, else the config's `aot.<flag name>`, else the default."""

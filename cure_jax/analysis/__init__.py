@@ -7,4 +7,6 @@ the entry points report, importable from tests and notebooks:
                                 (experiments.device_costs)
   projection                    projected speed from compiled counts (experiments.projection)
   humaneval_exec                HumanEval completions run against their tests (Table 3)
+  agreement                     where two decoders' outputs part; transformers as a reference
+  random_pairs                  CURE against chain on random tiny pairs
 """
