@@ -13,8 +13,8 @@ import json
 from cure_jax import methods
 from cure_jax.analysis import report
 from cure_jax.costs import curve
-from cure_jax.costs.roofline import (DEVICES, GPUS, PAPER_TAU, SHARES, decode_records, device_of,
-                                     project)
+from cure_jax.costs.roofline import (DEVICES, GPUS, LAUNCH_US, PAPER_TAU, SHARES, decode_records,
+                                     device_of, project)
 
 
 def load(path: str) -> dict:
@@ -145,3 +145,61 @@ def auto_markdown(rows: list[dict]) -> str:
           f"nodes of the chain program's block, τ(n) from a per-depth acceptance fitted to the "
           f"block's τ (the paper's chain τ is {PAPER_TAU['chain']}; cure_jax/costs/curve.py). Bytes are linear in "
           "the batch through the two compiled batch sizes.\n")
+
+
+def draft_vocab_rows(paths: list[str]) -> list[dict]:
+  """chain per draft vocabulary N from GPU compiles (one aot report per topology and
+  drafter.vocab): iteration time and TPOT at the paper's chain τ for every N, against the full
+  head and ar, and the τ at which N stops paying; the whole head first, then N down."""
+  tau = PAPER_TAU["chain"]
+  taus = {"paper": {"ar": 1.0, "chain": tau}}
+  found = {}   # (device, batch, method, N) -> (record, projected row)
+  for path in paths:
+    data = load(path)
+    device = data["meta"]["topology"].split(":")[0].upper()
+    if device not in GPUS:
+      raise ValueError(f"{path}: compiled for {data['meta']['topology']}; project reads GPU "
+                       f"compiles ({', '.join(GPUS)})")
+    records = decode_records(data)
+    n = int(data["meta"].get("draft_vocab") or 0)
+    for row in project(records, [device], 1.0, taus, LAUNCH_US):
+      rec = records[(row["method"], row["v_max"], row["batch"])]
+      found[(device, row["batch"], row["method"], n if row["method"] != "ar" else 0)] = (rec, row)
+  rows = []
+  for (device, batch, method, n), (rec, row) in sorted(   # the whole head first, then N down
+      found.items(), key=lambda kv: kv[0][:3] + (-(kv[0][3] or float("inf")),)):
+    if method != "chain":
+      continue
+    full = found.get((device, batch, "chain", 0))
+    ar = found.get((device, batch, "ar", 0))
+    w = rec["weights"]
+    rows.append(dict(device=device, batch=batch, vocab=n,
+                     draft_head_bytes=w.get("draft_head", w["lm_head"]),
+                     hbm_bytes=rec["iteration"]["hbm_bytes"], iteration_ms=row["iteration_ms"],
+                     tau=tau, tpot_ms=row["tpot_ms"],
+                     vs_full=full[1]["tpot_ms"] / row["tpot_ms"] if full else None,
+                     vs_ar=ar[1]["iteration_ms"] / row["tpot_ms"] if ar else None,
+                     break_even_tau=tau * row["iteration_ms"] / full[1]["iteration_ms"]
+                     if full else None))
+  return rows
+
+
+def draft_vocab_markdown(rows: list[dict]) -> str:
+  """draft_vocab_rows as a table, with the rule they were priced by."""
+  tau = PAPER_TAU["chain"]
+  table = [[r["device"], r["batch"], f"{r['vocab']:,}" if r["vocab"] else "full",
+            f"{r['draft_head_bytes'] / 1e9:.3f}", f"{r['hbm_bytes'] / 1e9:.2f}",
+            f"{r['iteration_ms']:.2f}", f"{r['tpot_ms']:.3f}", report.num(r["vs_full"], ".3f", "x"),
+            report.num(r["vs_ar"], ".2f", "x"), report.num(r["break_even_tau"], ".3f")]
+           for r in rows]
+  return ("## Reduced draft vocabulary on Qwen3-8B: chain, projected from GPU compiles\n\n" +
+          report.md_table(["device", "batch", "N", "draft head GB", "HBM GB / iteration",
+                           "iteration ms", f"TPOT ms at τ {tau}", "vs full head", "vs ar",
+                           "τ at which N stops paying"], table) +
+          "\n\nPer iteration: HBM bytes of the compiled decode loop's body (cure_jax/costs/"
+          "hlo_traffic.py); time = max(bytes / bandwidth, FLOPs / peak) + launches x "
+          f"{LAUNCH_US} µs (experiments/projection.py's rule). τ: the paper's chain τ "
+          "for every N, which a reduced vocabulary mostly lowers; the last column is the τ at "
+          "which N gives the full head's TPOT. The ids of a reduced N are synthetic (seeded "
+          "random, experiments.aot --synthetic_vocab): the bytes depend on N, not on which "
+          "rows.\n")
