@@ -64,8 +64,12 @@ TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embed_tokens")))
 
 
 def init_drafter(target: Qwen3, num_layers: int, init_layers: list[int]) -> Qwen3:
-  """The target cut to num_layers layers, layer i copied from target layer init_layers[i]."""
-  drafter = Qwen3(dataclasses.replace(target.cfg, num_layers=num_layers), jnp.float32, rngs=nnx.Rngs(0))
+  """The target cut to num_layers layers, layer i copied from target layer init_layers[i]. Its
+  layers run as XLA's ops: training differentiates them, and the GPU layer kernels (traced on
+  every platform by platform_dependent) have no derivative."""
+  drafter = Qwen3(dataclasses.replace(target.cfg, num_layers=num_layers), jnp.float32,
+                  rngs=nnx.Rngs(0))
+  drafter.layer_kernels = False
   nnx.update(drafter.embed_tokens, nnx.state(target.embed_tokens))
   nnx.update(drafter.norm, nnx.state(target.norm))
   for layer, src in zip(drafter.layers, init_layers, strict=True):
@@ -91,6 +95,15 @@ def loss_fn(model, head_w, remap, batch):
   n = jnp.maximum(valid.sum(), 1)
   acc = jnp.sum((jnp.argmax(logits, -1) == lab) & valid) / n
   return jnp.sum(ce * valid) / n, acc
+
+
+def optimizer(model: Qwen3, lr: float, weight_decay: float) -> nnx.Optimizer:
+  """AdamW over the trainable parameters (not the embedding), clipped at norm 1, its learning
+  rate a hyperparameter that train_step sets every step."""
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   optax.inject_hyperparams(optax.adamw)(learning_rate=lr, b1=0.9, b2=0.98,
+                                                         weight_decay=weight_decay))
+  return nnx.Optimizer(model, tx, wrt=TRAINABLE)
 
 
 @nnx.jit
@@ -182,10 +195,7 @@ def train(model: Qwen3, data: Data, train_idx: np.ndarray, s: Schedule,
   head_w = model.embed_tokens.embedding[...][jnp.asarray(subset)]         # [V', H]
   remap = jnp.asarray(remap)
 
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.inject_hyperparams(optax.adamw)(learning_rate=s.lr, b1=0.9, b2=0.98,
-                                                         weight_decay=s.weight_decay))
-  opt = nnx.Optimizer(model, tx, wrt=TRAINABLE)
+  opt = optimizer(model, s.lr, s.weight_decay)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, TRAINABLE)))
   log(f"drafter: {model.cfg.num_layers} layers, {n_params / 1e6:.2f}M trainable params")
 
