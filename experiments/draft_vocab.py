@@ -20,13 +20,12 @@ experiments.projection prices them, at the paper's chain τ for every N (a small
 lowers τ: the table gives the τ at which it stops paying).
 """
 
-import json
 from pathlib import Path
 
 from absl import flags
 
 from cure_jax.checkpoints.store import read_hf_config
-from cure_jax.analysis import report
+from cure_jax.analysis import projection, report
 from cure_jax.costs import roofline
 from cure_jax.runtime import draft_vocab, errors, pipeline
 from experiments.tables import bench as bench_lib
@@ -69,57 +68,13 @@ def measure(config) -> None:
 def project(config) -> None:
   del config
   if not _AOT.value or not _OUTPUT.value:
-    raise SystemExit("--stage=project needs --aot=FILE.json,... and --output=FILE.json")
-  tau = roofline.PAPER_TAU["chain"]
-  taus = {"paper": {"ar": 1.0, "chain": tau}}
-  found = {}   # (device, batch, method, N) -> (record, projected row)
-  for path in _AOT.value:
-    data = json.loads(Path(path).read_text())
-    device = data["meta"]["topology"].split(":")[0].upper()
-    if device not in roofline.GPUS:
-      raise SystemExit(f"{path}: compiled for {data['meta']['topology']}; project reads GPU "
-                       f"compiles ({', '.join(roofline.GPUS)})")
-    records = roofline.decode_records(data)
-    n = int(data["meta"].get("draft_vocab") or 0)
-    for row in roofline.project(records, [device], 1.0, taus, roofline.LAUNCH_US):
-      rec = records[(row["method"], row["v_max"], row["batch"])]
-      found[(device, row["batch"], row["method"], n if row["method"] != "ar" else 0)] = (rec, row)
-  rows = []
-  for (device, batch, method, n), (rec, row) in sorted(   # the whole head first, then N down
-      found.items(), key=lambda kv: kv[0][:3] + (-(kv[0][3] or float("inf")),)):
-    if method != "chain":
-      continue
-    full = found.get((device, batch, "chain", 0))
-    ar = found.get((device, batch, "ar", 0))
-    w = rec["weights"]
-    rows.append(dict(device=device, batch=batch, vocab=n,
-                     draft_head_bytes=w.get("draft_head", w["lm_head"]),
-                     hbm_bytes=rec["iteration"]["hbm_bytes"], iteration_ms=row["iteration_ms"],
-                     tau=tau, tpot_ms=row["tpot_ms"],
-                     vs_full=full[1]["tpot_ms"] / row["tpot_ms"] if full else None,
-                     vs_ar=ar[1]["iteration_ms"] / row["tpot_ms"] if ar else None,
-                     break_even_tau=tau * row["iteration_ms"] / full[1]["iteration_ms"]
-                     if full else None))
-  sources = {p: json.loads(Path(p).read_text())["meta"].get("draft_vocab_ids", "all")
-             for p in _AOT.value}
+    raise ValueError("--stage=project needs --aot=FILE.json,... and --output=FILE.json")
+  rows = projection.draft_vocab_rows(_AOT.value)
+  sources = {p: projection.load(p)["meta"].get("draft_vocab_ids", "all") for p in _AOT.value}
   output = Path(_OUTPUT.value)
-  pipeline.write_json(str(output), dict(rows=rows, aot=sources, tau=tau,
+  pipeline.write_json(str(output), dict(rows=rows, aot=sources, tau=roofline.PAPER_TAU["chain"],
                                         launch_us=roofline.LAUNCH_US))
-  table = [[r["device"], r["batch"], f"{r['vocab']:,}" if r["vocab"] else "full",
-            f"{r['draft_head_bytes'] / 1e9:.3f}", f"{r['hbm_bytes'] / 1e9:.2f}",
-            f"{r['iteration_ms']:.2f}", f"{r['tpot_ms']:.3f}", report.num(r["vs_full"], ".3f", "x"),
-            report.num(r["vs_ar"], ".2f", "x"), report.num(r["break_even_tau"], ".3f")]
-           for r in rows]
-  md = ("## Reduced draft vocabulary on Qwen3-8B: chain, projected from GPU compiles\n\n" +
-        report.md_table(["device", "batch", "N", "draft head GB", "HBM GB / iteration",
-                         "iteration ms", f"TPOT ms at τ {tau}", "vs full head", "vs ar",
-                         "τ at which N stops paying"], table) +
-        "\n\nPer iteration: HBM bytes of the compiled decode loop's body (cure_jax/costs/"
-        "hlo_traffic.py); time = max(bytes / bandwidth, FLOPs / peak) + launches x "
-        f"{roofline.LAUNCH_US} µs (experiments/projection.py's rule). τ: the paper's chain τ "
-        "for every N, which a reduced vocabulary mostly lowers; the last column is the τ at "
-        "which N gives the full head's TPOT. The ids of a reduced N are synthetic (seeded random, "
-        "experiments.aot --synthetic_vocab): the bytes depend on N, not on which rows.\n")
+  md = projection.draft_vocab_markdown(rows)
   report.write_text(str(output.with_suffix(".md")), md)
   print(md)
 

@@ -78,6 +78,36 @@ def test_bad_inputs_are_named(pair_dirs, flags, message):
   assert re.search(message, child.stderr), child.stderr[-2000:]
 
 
+def test_libtpu_held_by_another_process_is_not_an_unknown_topology(tmp_path, monkeypatch):
+  """libtpu's failure when another process holds its lock file reads as that: the holder (a
+  child holding a stand-in lock file) named, what to do, and which file; not "unknown TPU
+  topology" with libtpu's advice to delete the file under a live process."""
+  from jax.experimental import topologies
+  from cure_jax.costs import gpu_targets
+  lockfile = tmp_path / "libtpu_lockfile"
+  message = ("ABORTED: Internal error when accessing libtpu multi-process lockfile. Run "
+             f'"$ sudo rm {lockfile}".')   # libtpu's words (jax 0.10.2, libtpu 0.0.x)
+
+  def taken(name, platform):
+    raise RuntimeError(message)
+
+  monkeypatch.setitem(sys.modules, "libtpu", type(sys)("libtpu"))   # installed or not
+  monkeypatch.setattr(topologies, "get_topology_desc", taken)
+  holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'w'); "
+                             "print('holding', flush=True); sys.stdin.read()", str(lockfile)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "holding\n"
+    with pytest.raises(ValueError) as e:
+      gpu_targets.topology_devices("v5e:2x2")
+  finally:
+    holder.communicate("")
+  said = str(e.value)
+  assert said.startswith(f"libtpu is in use by another process (pid {holder.pid}): ")
+  assert f"lock file {lockfile}" in said and "Wait for that process to end, or stop it" in said
+  assert "unknown TPU topology" not in said
+
+
 def test_a_synthetic_draft_vocabulary_is_counted_and_labelled(pair_dirs):
   """--synthetic_vocab: N seeded-random ids for a compile-only count; the chain minimum's extra
   head read is N of the head's rows, and the report says where the ids came from."""

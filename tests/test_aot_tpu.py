@@ -109,3 +109,36 @@ def test_the_exact_attention_kernel_compiles_for_a_tpu():
   counts = [line.split() for line in run.stdout.splitlines()]
   assert [c[:3] for c in counts] == [["1", "1", "2048"], ["8", "16", "2048"], ["1", "100", "1024"]]
   assert all(c[3] == "1" for c in counts), counts
+
+
+_HOLD_LIBTPU = """
+import sys
+from jax.experimental import topologies
+topologies.get_topology_desc("v5e:2x2", "tpu")   # libtpu starts and takes its lock file
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_libtpu_process_is_told_libtpu_is_in_use(tmp_path):
+  """experiments.aot while another process holds libtpu: one `error:` line naming that process
+  and libtpu's lock file, not "unknown TPU topology"."""
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip('libtpu is not installed (pip install "jax[tpu]==<jax version>"; .ci/run does)')
+  env = aot_child.child_env(JAX_PLATFORMS="cpu")
+  with open(LOCK, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)   # one libtpu process at a time on this machine: ours
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LIBTPU], env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+      assert holder.stdout.readline() == "holding\n"
+      run = subprocess.run([sys.executable, "-m", "experiments.aot", "--topology=v5e:2x2",
+                            f"--output={tmp_path / 'out'}"], cwd=aot_child.REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    finally:
+      holder.communicate("")
+  assert run.returncode == 2, run.stderr[-3000:]
+  said = run.stderr.strip().splitlines()[-1]
+  assert said.startswith(f"error: libtpu is in use by another process (pid {holder.pid}): "), said
+  assert "/tmp/libtpu_lockfile" in said and "Wait for that process to end, or stop it" in said
+  assert "Traceback" not in run.stderr

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import common
-from experiments import humaneval_exec
+from cure_jax.analysis import humaneval_exec
 from experiments.tables import diagnostic, peers, sweep, table1, table3, table4, table5
 from experiments.tables.bench import Bench, Variant, after_wins, prompt_batches, run_variants
 from cure_jax.analysis import random_models

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# --small's target (experiments/device_costs.py): Qwen3-8B's config.json with hidden 256,
+# --small's target (cure_jax/analysis/device_costs.py): Qwen3-8B's config.json, hidden 256,
 # intermediate 512, 4 layers, 4 query and 2 key/value heads of 64, vocabulary 4096, float32
 H, I, LAYERS, Q, KV, V = 256, 512, 4, 4 * 64, 2 * 64, 4096
 LAYER_WEIGHTS = 4 * (H * Q * 2 + H * KV * 2 + 3 * H * I)   # bytes of one layer's matrices

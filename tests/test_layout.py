@@ -1,6 +1,7 @@
 """The layout is the architecture: imports run one way, from entry points down to models, with
-no circle anywhere; experiments/ keeps entry points at its top; no source file grows past 500
-lines. Read from the source with `ast`."""
+no circle anywhere; experiments/ keeps thin entry points at its top (what they compute lives in
+the library, where tests and notebooks import it); no source file grows past 500 lines. Read
+from the source with `ast`."""
 
 import ast
 from pathlib import Path
@@ -15,6 +16,7 @@ LAYERS = (("cure_jax.models",), ("cure_jax.checkpoints", "cure_jax.costs"), ("cu
           ("experiments", "convert", "configs"))
 MAX_LINES = 500
 MAX_EXPERIMENT_MODULES = 16
+MAX_ENTRY_POINT_LINES = 150
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -106,12 +108,41 @@ def test_every_package_module_has_a_layer():
   assert not [m for m in _modules(REPO) if _layer(m) is None and m != "cure_jax"]
 
 
+def _is_command(path: Path) -> bool:
+  """The module ends in `if __name__ == "__main__":` (a string "__main__" elsewhere is not it)."""
+  main = ast.parse('__name__ == "__main__"', mode="eval").body
+  return any(isinstance(node, ast.If) and ast.dump(node.test) == ast.dump(main)
+             for node in ast.parse(path.read_text()).body)
+
+
+def _experiment_entry_points(root: Path) -> list[Path]:
+  return [f for f in (root / "experiments").glob("*.py") if f.name != "__init__.py"]
+
+
 def test_experiments_top_holds_entry_points_only():
-  """At most 16 modules at the top of experiments/, and each is a command (`__main__`); the
-  tables and what they share live in experiments/tables/."""
-  top = [f for f in (REPO / "experiments").glob("*.py") if f.name != "__init__.py"]
+  """At most 16 modules at the top of experiments/, and each is a command; the tables and what
+  they share live in experiments/tables/."""
+  top = _experiment_entry_points(REPO)
   assert len(top) <= MAX_EXPERIMENT_MODULES, sorted(f.name for f in top)
-  assert not [f.name for f in top if "__main__" not in f.read_text()]
+  assert not [f.name for f in top if not _is_command(f)]
+
+
+def test_entry_points_are_thin():
+  """An entry point parses flags, calls the library and prints: none at the top of
+  experiments/ over 150 lines (measurements, compile reports and training steps live in
+  cure_jax/, where tests, notebooks and other entry points import them)."""
+  long = {f.name: n for f in _experiment_entry_points(REPO)
+          if (n := len(f.read_text().splitlines())) > MAX_ENTRY_POINT_LINES}
+  assert not long, long
+
+
+def test_a_library_module_is_not_taken_for_a_command(tmp_path):
+  """A module that only mentions "__main__" (say, in a child's run_name) is not a command."""
+  (tmp_path / "lib.py").write_text('BOOT = "runpy.run_path(p, run_name=\'__main__\')"\n')
+  (tmp_path / "cmd.py").write_text('def main():\n  pass\n\n\nif __name__ == "__main__":\n'
+                                   '  main()\n')
+  assert not _is_command(tmp_path / "lib.py")
+  assert _is_command(tmp_path / "cmd.py")
 
 
 def test_convert_holds_entry_points_only():

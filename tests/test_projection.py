@@ -1,10 +1,11 @@
-"""The roofline projection from compiled counts (cure_jax/costs/roofline.py, projection.py)."""
+"""The roofline projection from compiled counts (cure_jax/costs/roofline.py, cure_jax/analysis/
+projection.py, experiments.projection)."""
 
 import numpy as np
 import pytest
 
 from cure_jax.costs import roofline
-from experiments import projection
+from cure_jax.analysis import projection
 
 
 def _rec(method, hbm, flops, v_max=0, batch=1):
@@ -114,21 +115,14 @@ def test_auto_on_a_measured_curve_adds_the_draft_pass_to_every_drafting_budget(t
   step alone, budget n the drafter pass plus the target over n nodes; a later file's batch
   replaces an earlier one's."""
   import json
-  from absl import flags
-  from absl.testing import flagsaver
-  from experiments import projection
   rows = [dict(batch=1, budgets=[1, 2, 4], draft_s=0.002, verify_s=[0.010, 0.009, 0.011]),
           dict(batch=8, budgets=[1, 2, 4], draft_s=0.004, verify_s=[0.010, 0.020, 0.040])]
   old = tmp_path / "old.json"
   old.write_text(json.dumps(dict(device_kind="GPU X", rows=[dict(rows[0], draft_s=1.0)])))
   new = tmp_path / "new.json"
   new.write_text(json.dumps(dict(device_kind="GPU X", rows=rows)))
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
-  with flagsaver.flagsaver(auto_measured=[str(old), str(new)], auto_budgets=["1", "2", "4"],
-                           auto_tau=["1.875"]):
-    got = projection.measured_auto()
-  # the flags' τ is a 16-token block's: α is the positive root of Σ_{d<16} α^d = 1.875
+  got = projection.measured_auto([str(old), str(new)], [1, 2, 4], [1.875])
+  # the τ is a 16-token block's: α is the positive root of Σ_{d<16} α^d = 1.875
   roots = np.roots([1.0] * 15 + [1.0 - 1.875])
   a = float(next(r.real for r in roots if abs(r.imag) < 1e-12 and r.real > 0))
   tau = {1: 1.0, 2: 1 + a, 4: 1 + a + a ** 2 + a ** 3}
@@ -152,6 +146,7 @@ def test_measured_loops_are_priced_at_each_published_tau(tmp_path):
   import json
   from absl import flags
   from absl.testing import flagsaver
+  from experiments import projection as entry_point
   loops = dict(device_kind="GPU X", hbm_gbps=3000.0, bf16_tflops=700.0, records=[
       dict(method="ar", batch=1, nodes=1, ms_per_iteration=10.0, count_ms=5.0),
       dict(method="chain", batch=1, nodes=16, ms_per_iteration=12.0, count_ms=6.0),
@@ -163,7 +158,7 @@ def test_measured_loops_are_priced_at_each_published_tau(tmp_path):
     flags.FLAGS.mark_as_parsed()
   with flagsaver.flagsaver(loops=[str(path)], output=str(tmp_path / "out"), tpu=[], gpu=[],
                            cpu="", auto_measured=[], auto_batches=[]):
-    projection.main([])
+    entry_point.main([])
   rows = json.loads((tmp_path / "out.json").read_text())["measured"]
   got = {(r["method"], r["tau_from"]): r["speedup"] for r in rows}
   assert got == pytest.approx({

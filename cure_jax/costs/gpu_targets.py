@@ -23,7 +23,9 @@ which one block may opt in to 163 KB / 227 KB; 2048 threads per SM.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+from pathlib import Path
 
 KB = 1024
 
@@ -118,6 +120,36 @@ def topology_devices(name: str) -> list:
   try:
     return list(topologies.get_topology_desc(name, "tpu").devices)
   except Exception as e:  # libtpu's messages do not name the valid choices
+    if LIBTPU_LOCKFILE_ERROR in str(e):
+      raise ValueError(libtpu_in_use(str(e))) from e
     raise ValueError(f"unknown TPU topology {name!r} ({type(e).__name__}: {e}); use "
                      "<generation>:<chips>, e.g. v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1, a GPU "
                      f"({', '.join(GPUS)}, e.g. h100 or h100:8), or 'cpu'") from e
+
+
+# what libtpu says when another process holds its lock file (it admits one process a machine)
+LIBTPU_LOCKFILE_ERROR = "libtpu multi-process lockfile"
+
+
+def libtpu_in_use(message: str) -> str:
+  """What to do when libtpu is taken: its lock file's holders, named where /proc shows them
+  (libtpu's own advice, to remove the file, would let two processes share it)."""
+  found = re.search(r"/\S*libtpu_lockfile", message)
+  lockfile = found.group(0) if found else "/tmp/libtpu_lockfile"
+  holders = _holders(lockfile)
+  by = f" ({'pids' if len(holders) > 1 else 'pid'} {', '.join(holders)})" if holders else ""
+  return (f"libtpu is in use by another process{by}: it holds libtpu's lock file {lockfile}, and "
+          "libtpu admits one process a machine. Wait for that process to end, or stop it, then "
+          f"run again; remove {lockfile} only if no process holds it any more")
+
+
+def _holders(path: str) -> list[str]:
+  """Ids of the other processes with `path` open, from /proc (those this user may look at)."""
+  out, me = [], str(os.getpid())
+  for fd in Path("/proc").glob("[0-9]*/fd/*"):
+    try:
+      if fd.parts[2] != me and os.readlink(fd) == path:
+        out.append(fd.parts[2])
+    except OSError:   # gone, or not ours to read
+      continue
+  return sorted(set(out), key=int)

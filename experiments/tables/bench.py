@@ -29,6 +29,7 @@ import numpy as np
 from cure_jax.runtime import pipeline, prompts as prompts_lib
 from cure_jax import methods
 from cure_jax.runtime.generation import Result
+from cure_jax.analysis.agreement import common_prefix
 from cure_jax.analysis.report import environment, jsonable, write_text
 
 # The paper's numbers (Qwen3-8B, bf16, one GPU), for context in the markdown only.
@@ -198,15 +199,6 @@ def compile_seconds(bench: Bench, variant: Variant) -> float:
 
 
 # ----------------------------------------------------------------------------- summaries
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-  n = 0
-  for x, y in zip(a, b):
-    if x != y:
-      break
-    n += 1
-  return n
-
 
 def summarize(results: Sequence, reference: Sequence | None = None) -> dict:
   """τ, TPOT, tokens/s, nodes, gate statistics; equality with `reference` (AR) when given."""

@@ -12,7 +12,7 @@ from typing import Sequence
 from cure_jax.analysis.report import md_table, num
 from experiments.tables.bench import (PAPER, Bench, _indices, run_variants, summarize,
                                       write_outputs)
-from experiments.humaneval_exec import check_programs, extract_program
+from cure_jax.analysis.humaneval_exec import check_programs, extract_program
 from experiments.tables.table1 import _table1_variants
 
 
