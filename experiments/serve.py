@@ -26,8 +26,8 @@ def main(argv):
   del argv
   from cure_jax.serving import server
   config = _CONFIG.value
-  app, served = server.build(config, _SLOTS.value, _STEPS.value, _WAITING.value,
-                             _MODEL.value, _DRAIN.value)
+  app, served = server.build(config, *server.load(config), _SLOTS.value, _STEPS.value,
+                             _WAITING.value, _MODEL.value, _DRAIN.value)
   server.serve(app, served, _HOST.value, _PORT.value, _DRAIN.value, config.method)
 
 

@@ -12,17 +12,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from cure_jax.analysis import random_models
 from cure_jax.runtime.generation import Generator
+from cure_jax.serving import server
 from cure_jax.serving.app import create_app
 from cure_jax.serving.engine import Engine
 from cure_jax.serving.requests import Served
@@ -56,19 +55,8 @@ def _serving(models, slots=2, max_waiting=8, steps=1):
   """The app on a free port of 127.0.0.1, in a thread; yields (base url, app)."""
   served = Served(MODEL, MAX_NEW, 0.0, 1.0, 0, 0, ARCH.vocab)
   app = create_app(Engine(_generator(models), slots, MAX_LEN, steps), served, max_waiting, 5.0)
-  port = _free_port()
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 60
-  while not server.started:
-    assert time.monotonic() < deadline and thread.is_alive()
-    time.sleep(0.02)
-  try:
-    yield f"http://127.0.0.1:{port}", app
-  finally:
-    server.should_exit = True
-    thread.join(timeout=60)
+  with server.running(app) as url:
+    yield url, app
 
 
 def _prompts(count, seed=1):

@@ -3,6 +3,9 @@ compiled before the first request), the app, and uvicorn, which prints one line 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -15,18 +18,22 @@ from cure_jax.serving.requests import Served
 DEFAULT_MAX_LEN = 1024   # the cache of every slot when config.max_len is 0
 
 
-def build(config, slots: int, steps: int, max_waiting: int, model_name: str = "",
-          drain_s: float = 30.0):
-  """The app serving `config` (experiments.decode's config) with `slots` slots."""
-  if max_waiting < 0:
-    raise ValueError(f"max_waiting={max_waiting} must be >= 0 (requests queued for a slot)")
+def load(config):
+  """(target, drafter, tokenizer) of experiments.decode's config, checked."""
   pipeline.check_config(config)
   pipeline.enable_compilation_cache(config)
   pipeline.resolve_paths(config)
   target = pipeline.load_target(config)
-  drafter = pipeline.load_drafter(config, target)
-  tokenizer = pipeline.load_tokenizer(config.target.path)
-  stops = pipeline.stop_ids(config.target.path, tokenizer)
+  return target, pipeline.load_drafter(config, target), pipeline.load_tokenizer(
+      config.target.path)
+
+
+def build(config, target, drafter, tokenizer, slots: int, steps: int, max_waiting: int,
+          model_name: str = "", drain_s: float = 30.0):
+  """(app, Served) decoding with config's method and settings in `slots` slots."""
+  if max_waiting < 0:
+    raise ValueError(f"max_waiting={max_waiting} must be >= 0 (requests queued for a slot)")
+  stops = () if config.ignore_eos else pipeline.stop_ids(config.target.path, tokenizer)
   generator = pipeline.make_generator(config, target, drafter, stops)
   engine = Engine(generator, slots, int(config.max_len) or DEFAULT_MAX_LEN, steps)
   served = Served(model=model_name or Path(config.target.path).name,
@@ -34,6 +41,25 @@ def build(config, slots: int, steps: int, max_waiting: int, model_name: str = ""
                   top_p=float(config.top_p), top_k=int(config.top_k), seed=int(config.seed),
                   vocab_size=target.cfg.vocab_size, tokenizer=tokenizer)
   return create_app(engine, served, max_waiting, drain_s), served
+
+
+@contextlib.contextmanager
+def running(app, host: str = "127.0.0.1"):
+  """The app served from a thread on a free port of `host`; yields its base URL."""
+  server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning"))
+  thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 120
+  while not server.started:
+    if time.monotonic() > deadline or not thread.is_alive():
+      raise RuntimeError("the server did not start")
+    time.sleep(0.02)
+  port = server.servers[0].sockets[0].getsockname()[1]
+  try:
+    yield f"http://{host}:{port}"
+  finally:
+    server.should_exit = True
+    thread.join(timeout=120)
 
 
 class _Server(uvicorn.Server):
