@@ -68,9 +68,10 @@ _SERVING = {k: f(f"serving_{k}", d, h) for k, f, d, h in [
     ("slots", flags.DEFINE_integer, 8, "serving: the server's slots"),
     ("steps", flags.DEFINE_integer, 8, "serving: iterations per compiled chunk"),
     ("transformers", flags.DEFINE_bool, True, "serving: also transformers serve"),
-    ("invariance_count", flags.DEFINE_integer, 48, "serving: requests per invariance run "
-     "(0: skip)"),
-    ("fault_count", flags.DEFINE_integer, 400, "serving: requests of the fault run (0: skip)")]}
+    ("invariance_count", flags.DEFINE_integer, 48, "serving: requests per invariance run"),
+    ("fault_count", flags.DEFINE_integer, 400, "serving: requests of the fault run"),
+    ("sections", flags.DEFINE_list, None, "serving: overhead, throughput, invariance, faults "
+     "(default: all)")]}
 _EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")
 _WARMUP = flags.DEFINE_bool("warmup", True, "decode one prompt per variant before timing")
 _PROGRESS = flags.DEFINE_bool("progress", True, "tqdm progress bars")

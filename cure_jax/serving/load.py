@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import time
 
 import httpx
 import numpy as np
 import openai
+
+
+logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +56,15 @@ class Record:
 
 
 async def _send(client: openai.AsyncOpenAI, http: httpx.AsyncClient, model: str, item: Item,
-                chat: bool, timeout: float) -> Record:
+                chat: bool, timeout: float, temperature: float | None) -> Record:
   if item.malformed:
     r = await http.post("/v1/completions", content=b'{"model": "' + model.encode() + b'", ')
     return Record(r.status_code)
   start = time.perf_counter()
   args = dict(model=model, max_tokens=item.max_tokens, seed=item.seed, stream=True,
-              temperature=0.0, stream_options={"include_usage": True}, timeout=timeout)
+              stream_options={"include_usage": True}, timeout=timeout)
+  if temperature is not None:
+    args["temperature"] = temperature
   try:
     if chat:
       stream = await client.chat.completions.create(
@@ -90,9 +96,11 @@ async def _send(client: openai.AsyncOpenAI, http: httpx.AsyncClient, model: str,
 
 
 async def run(base_url: str, model: str, items: list[Item], rate: float, concurrency: int,
-              chat: bool = False, seed: int = 0, timeout: float = 600.0):
+              chat: bool = False, seed: int = 0, timeout: float = 600.0,
+              temperature: float | None = None):
   """Sends items in order at Poisson arrivals of `rate` per second (inf: at once), at most
-  `concurrency` in flight. Returns (records in item order, wall seconds)."""
+  `concurrency` in flight; `temperature` sent when given (else the server's default). Returns
+  (records in item order, wall seconds)."""
   gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(items)) if rate < math.inf \
       else np.zeros(len(items))
   cap = asyncio.Semaphore(concurrency)
@@ -101,7 +109,7 @@ async def run(base_url: str, model: str, items: list[Item], rate: float, concurr
   async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as http:
     async def one(i, item):
       async with cap:
-        return await _send(client, http, model, item, chat, timeout)
+        return await _send(client, http, model, item, chat, timeout, temperature)
 
     start = time.perf_counter()
     tasks = []

@@ -43,7 +43,8 @@ def _options(name: str, kwargs: dict) -> dict:
   if name == "serving":
     return {k: kwargs[f"serving_{k}"] for k in ("count", "concurrency", "slots", "steps",
                                                  "transformers", "invariance_count",
-                                                 "fault_count") if f"serving_{k}" in kwargs}
+                                                 "fault_count", "sections")
+            if kwargs.get(f"serving_{k}") is not None}
   return {}
 
 

@@ -55,8 +55,10 @@ def _ours(bench: Bench, cfg, slots: int, steps: int, max_waiting: int = 1024):
     yield url
 
 
-def _client(url: str, items, rate: float, concurrency: int, chat: bool = False, model=MODEL):
-  return asyncio.run(load.run(url, model, items, rate, concurrency, chat))
+def _client(url: str, items, rate: float, concurrency: int, chat: bool = False, model=MODEL,
+            temperature=None):
+  return asyncio.run(load.run(url, model, items, rate, concurrency, chat,
+                              temperature=temperature))
 
 
 def _offline(bench: Bench, cfg, prompts, batch: int):
@@ -102,8 +104,9 @@ def _transformers(bench: Bench, items, rate, concurrency) -> dict:
           return dict(error=f"transformers serve did not start (exit {proc.poll()})")
         time.sleep(1)
     model = bench.config.target.path
-    _client(url, items[:1], math.inf, 1, chat=True, model=model)  # load + warm
-    records, wall = _client(url, items, rate, concurrency, chat=True, model=model)
+    _client(url, items[:1], math.inf, 1, chat=True, model=model, temperature=0.0)  # load, warm
+    records, wall = _client(url, items, rate, concurrency, chat=True, model=model,
+                            temperature=0.0)
     return load.summary(records, wall)
   finally:
     proc.terminate()
@@ -112,7 +115,8 @@ def _transformers(bench: Bench, items, rate, concurrency) -> dict:
 
 def throughput(bench: Bench, count: int, low: int, high: int, concurrency: int, slots: int,
                steps: int, rate: float, transformers: bool) -> dict:
-  cfg = _config(bench, max_new_tokens=high, max_len=1024)
+  """Target-only (ar) greedy on every side: transformers serve does not speculate."""
+  cfg = _config(bench, method="ar", max_new_tokens=high, max_len=1024)
   rows = [(bench.rows[i % len(bench.rows)]["prompt"], bench.ids[i % len(bench.ids)])
           for i in range(count)]
   items = load.workload([ids for _, ids in rows], count, low, high, seed=0)
@@ -187,46 +191,55 @@ def faults(bench: Bench, count: int, tokens: int, concurrency: int, slots: int,
               rss_growth=rss[-1] / rss[0] - 1 if len(rss) > 1 else 0.0)
 
 
+SECTIONS = ("overhead", "throughput", "invariance", "faults")
+
+
 def table_serving(bench: Bench, count: int = 64, concurrency: int = 8, slots: int = 8,
                   steps: int = 8, rate: float = math.inf, transformers: bool = True,
-                  invariance_count: int = 48, fault_count: int = 400) -> dict:
-  payload = dict(overhead=overhead(bench, 4, 64, slots, steps))
-  payload["throughput"] = throughput(bench, count, 16, 256, concurrency, slots, steps, rate,
-                                     transformers)
+                  invariance_count: int = 48, fault_count: int = 400,
+                  sections: tuple[str, ...] = SECTIONS) -> dict:
+  payload = {}
+  if "overhead" in sections:   # with the server's slots, and with one (no idle rows)
+    payload["overhead"] = [overhead(bench, 4, 64, n, steps) for n in sorted({slots, 1})]
+  if "throughput" in sections:
+    payload["throughput"] = throughput(bench, count, 16, 256, concurrency, slots, steps, rate,
+                                       transformers)
   runs = [(m, 0.0) for m in ("ar", "chain", "ddtree", "cure", "auto")] + [
       (m, 1.0) for m in ("chain", "ddtree", "cure")]
-  if invariance_count:
+  if "invariance" in sections:
     payload["invariance"] = invariance(bench, invariance_count, 32, concurrency, slots, steps,
                                        runs)
-  if fault_count:
+  if "faults" in sections:
     payload["faults"] = faults(bench, fault_count, 32, 32, slots, steps)
   return write_outputs(bench, "serving", payload, _markdown(payload))
 
 
 def _markdown(p: dict) -> str:
-  t = p["throughput"]
-  systems = [("cure_jax serve", t["ours"]), ("experiments.decode static batches", t["static"])]
-  if "transformers" in t:
-    systems.append(("transformers serve --continuous-batching", t["transformers"]))
+  lines = []
   med = lambda s, k: f"{s[k]['median']:.1f}" if k in s else "—"   # noqa: E731
-  rows = [[name, f"{s.get('output_tokens_per_s', math.nan):.1f}", med(s, "ttft_ms"),
-           med(s, "tpot_ms"), med(s, "itl_ms"), med(s, "e2e_ms")] for name, s in systems]
-  o = p["overhead"]
-  lines = [f"Serving, {t['count']} requests, max_tokens {t['max_tokens']}, concurrency "
-           f"{t['concurrency']}, method {t['method']}", "",
-           md_table(["system", "output tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms",
-                     "e2e p50 ms"], rows), "",
-           f"Overhead at concurrency 1 (ar, {o['tokens']} tokens): served TPOT "
-           f"{o['served_tpot_ms']:.2f} ms vs experiments.decode {o['decode_tpot_ms']:.2f} ms "
-           f"({o['ratio']:.3f}x)"]
+  if "throughput" in p:
+    t = p["throughput"]
+    systems = [("cure_jax serve", t["ours"]), ("experiments.decode static batches", t["static"])]
+    if "transformers" in t:
+      systems.append(("transformers serve --continuous-batching", t["transformers"]))
+    rows = [[name, f"{s.get('output_tokens_per_s', math.nan):.1f}", med(s, "ttft_ms"),
+             med(s, "tpot_ms"), med(s, "itl_ms"), med(s, "e2e_ms")] for name, s in systems]
+    lines += [f"Serving, {t['count']} requests, max_tokens {t['max_tokens']}, concurrency "
+              f"{t['concurrency']}, method {t['method']}", "",
+              md_table(["system", "output tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms",
+                        "e2e p50 ms"], rows), ""]
+  for o in p.get("overhead", []):
+    lines += [f"Overhead at concurrency 1 (ar, {o['tokens']} tokens, {o['slots']} slots): served "
+              f"TPOT {o['served_tpot_ms']:.2f} ms vs experiments.decode {o['decode_tpot_ms']:.2f} "
+              f"ms ({o['ratio']:.3f}x)", ""]
   if "invariance" in p:
-    lines += ["", md_table(["method", "temperature", "requests", "completed", "mismatches"],
-                           [[r["method"], r["temperature"], r["requests"], r["completed"],
-                             r["mismatches"]] for r in p["invariance"]])]
+    lines += [md_table(["method", "temperature", "requests", "completed", "mismatches"],
+                       [[r["method"], r["temperature"], r["requests"], r["completed"],
+                         r["mismatches"]] for r in p["invariance"]]), ""]
   if "faults" in p:
     f = p["faults"]
-    lines += ["", f"Faults: {f['requests']} requests, statuses {f['statuses']}, 5xx "
-                  f"{f['server_errors']}, mismatches {f['mismatches']}, counted {f['counted']:.0f},"
-                  f" free slots {f['free_slots']}/{f['slots']}, RSS growth "
-                  f"{100 * f['rss_growth']:.1f}%"]
+    lines += [f"Faults: {f['requests']} requests, statuses {f['statuses']}, 5xx "
+              f"{f['server_errors']}, mismatches {f['mismatches']}, counted {f['counted']:.0f}, "
+              f"free slots {f['free_slots']}/{f['slots']}, RSS growth "
+              f"{100 * f['rss_growth']:.1f}%"]
   return "\n".join(lines)
