@@ -69,7 +69,7 @@ def _serve(engine, requests, arrivals):
     for slot in engine.free_slots():
       if waiting:
         i = waiting.pop(0)
-        engine.insert(slot, requests[i])
+        tokens[i] = [engine.insert(slot, requests[i])]
         slot_of[i], owner[slot] = slot, i
     for u in engine.step():
       tokens[owner[u.slot]] += u.tokens

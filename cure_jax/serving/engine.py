@@ -151,15 +151,18 @@ class Engine:
   def free_slots(self) -> list[int]:
     return [int(i) for i in np.flatnonzero(~self.live)]
 
-  def insert(self, slot: int, request: Request) -> None:
-    """Prefills `request` and places it in the free `slot`."""
+  def insert(self, slot: int, request: Request) -> int:
+    """Prefills `request` into the free `slot`; returns its first token (the prefill's), so
+    that it reaches the client before the next chunk has run."""
     if self.live[slot]:
       raise ValueError(f"slot {slot} is busy")
     self.check(len(request.prompt), request.max_tokens)
     row = self._prefill(request)
+    first = int(row.anchor[0])
     self.state = self._put(self.state, row, np.int32(slot), np.int32(request.max_tokens))
-    self._seen[slot], self._iterations[slot] = 0, 0
+    self._seen[slot], self._iterations[slot] = 1, 0
     self.live[slot] = True
+    return first
 
   def cancel(self, slot: int) -> None:
     """Ends the request in `slot`; the slot is free for the next insert."""
@@ -167,8 +170,8 @@ class Engine:
     self.live[slot] = False
 
   def step(self) -> list[Update]:
-    """One chunk (after which the host reads the results once); an Update per live slot,
-    including the tokens a request had from its prefill. Finished slots become free."""
+    """One chunk (after which the host reads the results once); an Update per live slot with
+    its tokens after the first. Finished slots become free."""
     if self.live.any():
       self.state = self._run(self.generator.params, self.state)
     st = self.state

@@ -97,14 +97,15 @@ class Scheduler:
     while True:
       with self.lock:
         self._retire_cancelled()
-        self._admit()
-        if not self.owner:
-          if self.stopping and not self.waiting:
+        if not self.owner and not self.waiting:
+          if self.stopping:
             return
           self.lock.wait(timeout=0.1)
           continue
-      for update in self.engine.step():
-        self._deliver(update)
+      self._admit()
+      if self.owner:
+        for update in self.engine.step():
+          self._deliver(update)
 
   def _retire_cancelled(self) -> None:
     """Frees cancelled requests' slots (their handlers count them)."""
@@ -116,19 +117,25 @@ class Scheduler:
     for ticket in [t for t in self.waiting if t.cancelled]:
       self.waiting.remove(ticket)
       self._close(ticket)
+    self.metrics.running.labels(self.metrics.model).set(len(self.owner))
+    self.metrics.waiting.labels(self.metrics.model).set(len(self.waiting))
 
   def _admit(self) -> None:
+    """Waiting requests into free slots; each prefill runs outside the lock, so that new
+    requests are queued (or refused) meanwhile, and its first token goes out at once."""
     m = self.metrics
     for slot in self.engine.free_slots():
-      if not self.waiting:
-        break
-      ticket = self.waiting.popleft()
-      self.engine.insert(slot, ticket.request)
-      ticket.slot = slot
-      self.owner[slot] = ticket
+      with self.lock:
+        if not self.waiting:
+          break
+        ticket = self.waiting.popleft()
+        ticket.slot = slot
+        self.owner[slot] = ticket
+        m.waiting.labels(m.model).set(len(self.waiting))
+        m.running.labels(m.model).set(len(self.owner))
+      first = self.engine.insert(slot, ticket.request)
       m.prompt_tokens.labels(m.model).inc(len(ticket.request.prompt))
-    m.waiting.labels(m.model).set(len(self.waiting))
-    m.running.labels(m.model).set(len(self.owner))
+      self._deliver(Update(slot, [first], False, [], [], [], []))
 
   def _deliver(self, u: Update) -> None:
     m = self.metrics
@@ -151,6 +158,7 @@ class Scheduler:
       ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, u.tokens)
       if u.finished:
         del self.owner[u.slot]
+        m.running.labels(m.model).set(len(self.owner))
         ticket.finished = True
         m.e2e.labels(m.model).observe(now - ticket.arrived)
         ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, None)
