@@ -11,6 +11,7 @@
   python -m experiments.benchmark --table=trees --num_prompts=20        # tree strategies
   python -m experiments.benchmark --table=goodput --num_prompts=8       # auto vs every budget
   python -m experiments.benchmark --table=long_context                  # 1k/4k/8k context, windows
+  python -m experiments.benchmark --table=serving                       # server under load
   python -m experiments.benchmark --table=all --results=results/
   python -m experiments.benchmark --table=1,3,diagnostic,5 --config.batch_size=8 --num_prompts=0
 
@@ -61,6 +62,16 @@ _LONG_WINDOWS = flags.DEFINE_multi_integer("long_windows", None, "long_context: 
                                           "(0 = the whole context; default 0, 1024, 256)")
 _REUSE_RAW = flags.DEFINE_string("reuse_raw", None, "raw/ folder of an earlier run with the same "
                                  "config: variants found there are not decoded again")
+_SERVING = {k: f(f"serving_{k}", d, h) for k, f, d, h in [
+    ("count", flags.DEFINE_integer, 64, "serving: requests in the throughput workload"),
+    ("concurrency", flags.DEFINE_integer, 8, "serving: clients in flight at once"),
+    ("slots", flags.DEFINE_integer, 8, "serving: the server's slots"),
+    ("steps", flags.DEFINE_integer, 8, "serving: iterations per compiled chunk"),
+    ("transformers", flags.DEFINE_bool, True, "serving: also transformers serve"),
+    ("invariance_count", flags.DEFINE_integer, 48, "serving: requests per invariance run"),
+    ("fault_count", flags.DEFINE_integer, 400, "serving: requests of the fault run"),
+    ("sections", flags.DEFINE_list, None, "serving: overhead, throughput, invariance, faults "
+     "(default: all)")]}
 _EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")
 _WARMUP = flags.DEFINE_bool("warmup", True, "decode one prompt per variant before timing")
 _PROGRESS = flags.DEFINE_bool("progress", True, "tqdm progress bars")
@@ -108,7 +119,8 @@ def main(argv):
                     table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value,
                     goodput_batches=_GOODPUT_BATCHES.value,
                     goodput_methods=_GOODPUT_METHODS.value,
-                    long_contexts=_LONG_CONTEXTS.value, long_windows=_LONG_WINDOWS.value)
+                    long_contexts=_LONG_CONTEXTS.value, long_windows=_LONG_WINDOWS.value,
+                    **{f"serving_{k}": f.value for k, f in _SERVING.items()})
   print(f"results in {Path(_RESULTS.value).resolve()}")
 
 

@@ -9,10 +9,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("cure_jax", "convert", "experiments", "configs")
 # Lower layers first; a module may import its own layer or one below it. Side by side (one
-# layer): checkpoints and costs (each knows models only), training and analysis, and the two
-# kinds of entry point.
+# layer): checkpoints and costs (each knows models only), training, analysis and serving,
+# and the two kinds of entry point.
 LAYERS = (("cure_jax.models",), ("cure_jax.checkpoints", "cure_jax.costs"), ("cure_jax.tree",),
-          ("cure_jax.methods",), ("cure_jax.runtime",), ("cure_jax.training", "cure_jax.analysis"),
+          ("cure_jax.methods",), ("cure_jax.runtime",),
+          ("cure_jax.training", "cure_jax.analysis", "cure_jax.serving"),
           ("experiments", "convert", "configs"))
 MAX_LINES = 500
 MAX_EXPERIMENT_MODULES = 16

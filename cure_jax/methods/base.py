@@ -87,9 +87,10 @@ class Verified:
   features: jax.Array | None
 
 
-def depth_limit(spec: Spec, lengths, produced):
-  """Deepest useful tree depth: no deeper than the tokens still owed or the cache allows."""
-  owed = spec.max_new_tokens - produced
+def depth_limit(spec: Spec, lengths, produced, max_new=None):
+  """Deepest useful tree depth: no deeper than the tokens still owed (of max_new [B], default
+  spec.max_new_tokens) or the cache allows."""
+  owed = (spec.max_new_tokens if max_new is None else max_new) - produced
   room = spec.max_len - 1 - lengths
   return jnp.clip(jnp.minimum(jnp.minimum(owed, room), spec.max_depth), 0, None)
 

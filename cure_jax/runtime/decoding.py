@@ -63,6 +63,13 @@ class State:
   stats: Stats
   budget: budget_lib.Budget | None = None  # the online budget's running means (spec.online)
   controller: controller.Controller | None = None  # the goodput controller's (spec.auto)
+  limit: jax.Array | None = None  # [B] tokens each sequence may produce (serving's slots);
+                                  # None: spec.max_new_tokens for all
+
+
+def max_new(spec: Spec, st: State):
+  """Tokens each sequence may produce: its own limit where the state carries one."""
+  return spec.max_new_tokens if st.limit is None else st.limit
 
 
 def _merge(graphdef, params):
@@ -132,7 +139,7 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, first_row=0, *, spec
 def propose(target, drafter, spec: Spec, st: State, want=None):
   """Phase 1, draft and tree build: (proposal, drafter cache). want [B] (online budget): the
   sequences that may repair; by default the budget's choice."""
-  limit = depth_limit(spec, st.cache.lengths, st.produced)
+  limit = depth_limit(spec, st.cache.lengths, st.produced, max_new(spec, st))
   key_draft = sampling.fold(st.key, 1)
   if want is None and spec.online:
     want = budget_lib.want_tree(st.budget, st.step, spec.cure, spec.block_size)
@@ -186,7 +193,7 @@ def _emitted(spec: Spec, st: State, tree, verdict):
   i = jnp.arange(spec.block_size)[None]
   along = jnp.take_along_axis(tree.tokens, jnp.roll(verdict.path, -1, axis=1), axis=1)
   emitted = jnp.where(i < verdict.accepted[:, None], along, verdict.next_token[:, None])
-  n_new = jnp.minimum(verdict.accepted + 1, spec.max_new_tokens - st.produced)
+  n_new = jnp.minimum(verdict.accepted + 1, max_new(spec, st) - st.produced)
   stops = _is_stop(spec, emitted) & (i < n_new[:, None])
   hit_stop = jnp.any(stops, axis=1)
   n_new = jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, n_new)
@@ -254,7 +261,7 @@ def commit(drafter, spec: Spec, st: State, proposal, dcache, verdict, verified,
   return st.replace(
       cache=cache, dcache=dcache, anchor=jnp.where(active, verdict.next_token, st.anchor),
       tokens=tokens, produced=produced,
-      done=st.done | (active & (hit_stop | (produced >= spec.max_new_tokens))),
+      done=st.done | (active & (hit_stop | (produced >= max_new(spec, st)))),
       iterations=st.iterations + active.astype(jnp.int32), step=st.step + 1,
       key=sampling.fold(st.key, 3),
       stats=_record(st.stats, st.step, active, proposal, verdict, n_new), budget=budget)

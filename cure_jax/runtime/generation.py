@@ -41,7 +41,8 @@ class Result:
   accept_lengths: list[int]
   stats: list[dict]
   tpot_ms: float
-  decode_s: float
+  decode_s: float      # the whole batch's decode time
+  batch_size: int = 1  # prompts decoded together (the batch's time is theirs together)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -279,9 +280,9 @@ class Generator:
     state = dec(self.params, state)
     state = sharding.to_host(state.replace(cache=None, dcache=None, key=None))  # results only
     decode_s = time.perf_counter() - t0
-    return [self._unpack(state, i, decode_s) for i in range(count)]
+    return [self._unpack(state, i, decode_s, count) for i in range(count)]
 
-  def _unpack(self, state, i: int, decode_s: float) -> Result:
+  def _unpack(self, state, i: int, decode_s: float, count: int) -> Result:
     n = int(state.produced[i])
     iters = int(state.iterations[i])
     st = state.stats
@@ -300,4 +301,5 @@ class Generator:
              for t in range(iters)]
     return Result(output_ids=[int(x) for x in state.tokens[i, :n]], iterations=iters,
                   accept_lengths=[s["accept_lengths"] for s in stats], stats=stats,
-                  tpot_ms=1000.0 * decode_s / max(n - 1, 1), decode_s=decode_s)
+                  tpot_ms=1000.0 * decode_s / max(n - 1, 1), decode_s=decode_s,
+                  batch_size=count)

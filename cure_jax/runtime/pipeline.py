@@ -290,10 +290,11 @@ def decode_all(generator: Generator, ids: list[list[int]], batch_size: int,
 def summary(results: list[Result]) -> dict:
   lens = [a for r in results for a in r.accept_lengths]
   tokens = sum(len(r.output_ids) for r in results)
-  decode_s = sum(r.decode_s for r in results)
+  decode_s = sum(r.decode_s / r.batch_size for r in results)   # each batch's time once
   out = dict(prompts=len(results), generated_tokens=tokens, iterations=len(lens),
              tau=float(np.mean(lens)) if lens else 0.0,
              tpot_ms=float(np.mean([r.tpot_ms for r in results])),
+             # the whole batch's output tokens per second (after each prompt's first)
              tokens_per_s=float(sum(len(r.output_ids) - 1 for r in results) / max(decode_s, 1e-9)))
   taken = collections.Counter(s["budget"] for r in results for s in r.stats if s.get("budget"))
   if taken:  # a controlled method: iterations per node budget it chose

@@ -164,7 +164,7 @@ def run_variants(bench: Bench, variants: Sequence[Variant], indices: Sequence[in
       if chunk_v:
         results = _generator(bench, v).generate([bench.ids[i] for i in chunk_v])
         for i, r in zip(chunk_v, results):  # each sequence owns its share of the batch's time
-          store[i] = dataclasses.replace(r, decode_s=r.decode_s / len(chunk_v))
+          store[i] = dataclasses.replace(r, decode_s=r.decode_s / len(chunk_v), batch_size=1)
   return {v.label: [bench.runs[bench.key(v)][i] for i in indices] for v in variants}
 
 
@@ -182,7 +182,7 @@ def _load_raw(bench: Bench, variant: Variant) -> None:
   fields = {f.name for f in dataclasses.fields(Result)}
   store = bench.runs.setdefault(bench.key(variant), {})
   for row in json.loads(path.read_text()):
-    store.setdefault(row["prompt_index"], Result(**{k: row[k] for k in fields}))
+    store.setdefault(row["prompt_index"], Result(**{k: row[k] for k in fields if k in row}))
 
 
 def prompt_batches(bench: Bench, indices: Sequence[int]) -> list[list[int]]:

@@ -7,14 +7,15 @@ machinery of bench.py; `run_tables` maps the benchmark's flags onto their option
 from __future__ import annotations
 
 from experiments.tables import (cache_cost, diagnostic, goodput, long_context, numerics, peers,
-                               sweep, table1, table3, table4, table5, trees)
+                               serving, sweep, table1, table3, table4, table5, trees)
 from experiments.tables.bench import Bench
 
 TABLES = {"1": table1.table1, "3": table3.table3, "4": table4.table4, "5": table5.table5,
           "diagnostic": diagnostic.diagnostic, "sweep": sweep.table_sweep,
           "peers": peers.table_peers, "trees": trees.table_trees,
           "goodput": goodput.table_goodput, "long_context": long_context.table_long_context,
-          "cache_cost": cache_cost.table_cache_cost, "numerics": numerics.table_numerics}
+          "cache_cost": cache_cost.table_cache_cost, "numerics": numerics.table_numerics,
+          "serving": serving.table_serving}
 
 
 def _options(name: str, kwargs: dict) -> dict:
@@ -39,6 +40,11 @@ def _options(name: str, kwargs: dict) -> dict:
   if name == "goodput":
     return dict(batch_sizes=tuple(kwargs.get("goodput_batches") or goodput.BATCH_SIZES),
                 methods=tuple(kwargs.get("goodput_methods") or ()))
+  if name == "serving":
+    return {k: kwargs[f"serving_{k}"] for k in ("count", "concurrency", "slots", "steps",
+                                                 "transformers", "invariance_count",
+                                                 "fault_count", "sections")
+            if kwargs.get(f"serving_{k}") is not None}
   return {}
 
 

@@ -1,0 +1,149 @@
+"""The serving engine against offline decoding: a request's tokens equal `Generator.generate`
+decoding it alone at batch 1 (a different code path: the prompt's own prefill and decode
+loop, no slots), whatever slot it takes, whoever shares its chunks and whenever it arrives.
+Random models in numerics=invariant, so equality is bitwise for greedy and seeded sampling."""
+
+import jax
+import numpy as np
+import pytest
+
+from cure_jax.analysis import random_models
+from cure_jax.runtime.generation import Generator
+from cure_jax.serving.engine import Engine, Request
+from cure_jax.tree.sampling import Sampling
+
+ARCH = random_models.Arch(vocab=8, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                          draft_layers=1, block_size=4, target_layer_ids=(0, 1))
+MAX_LEN, MAX_NEW = 48, 12
+CURE = dict(tau_margin=1e9, v_max=16, topk=2, beam_width=3)  # a repair every block
+
+
+@pytest.fixture(scope="module")
+def models():
+  target, drafter = random_models.pair(ARCH, 4)
+  target.numerics = "invariant"
+  small = random_models.ar_drafter(ARCH, 4)
+  return target, drafter, small
+
+
+def _generator(models, method, max_new_tokens, temperature=0.0):
+  from cure_jax.tree import controller, repair
+  target, drafter, small = models
+  kinds = {"ar": None, "ar_draft": small}
+  block = 3 if method == "ar_draft" else None
+  cure = repair.RepairConfig(max_depth=ARCH.block_size - 1, **CURE)
+  auto = controller.Settings(budgets=(1, 12), costs=(1.0, 1.05), explore_every=3)
+  return Generator(target, kinds.get(method, drafter), method=method,
+                   max_new_tokens=max_new_tokens, max_len=MAX_LEN, block_size=block,
+                   cure=cure if method in ("cure", "hybrid", "ddtree") else None,
+                   sampling=Sampling(temperature), auto=auto if method == "auto" else None)
+
+
+def _requests(count, seed=9):
+  prompts = random_models.prompts(seed, ARCH.vocab, count, lo=3, hi=20)
+  rng = np.random.default_rng(seed)
+  return [Request(tuple(p), int(rng.choice([5, MAX_NEW])), int(rng.integers(1000)))
+          for p in prompts]
+
+
+def _alone(models, method, requests, temperature=0.0):
+  """Each request decoded by itself offline, its max_tokens as max_new_tokens."""
+  gens = {}
+  out = []
+  for r in requests:
+    if r.max_tokens not in gens:
+      gens[r.max_tokens] = _generator(models, method, r.max_tokens, temperature)
+    out.append(gens[r.max_tokens].generate([list(r.prompt)], seed=r.seed)[0].output_ids)
+  return out
+
+
+def _serve(engine, requests, arrivals):
+  """Runs the engine until every request is done; request i is queued before chunk
+  arrivals[i] and enters the first free slot. Returns each request's tokens and slot."""
+  tokens = [[] for _ in requests]
+  slot_of, owner = {}, {}
+  waiting = []
+  chunk = 0
+  while len(slot_of) < len(requests) or owner:
+    waiting += [i for i, a in enumerate(arrivals) if a == chunk]
+    for slot in engine.free_slots():
+      if waiting:
+        i = waiting.pop(0)
+        tokens[i] = [engine.insert(slot, requests[i])]
+        slot_of[i], owner[slot] = slot, i
+    for u in engine.step():
+      tokens[owner[u.slot]] += u.tokens
+      if u.finished:
+        del owner[u.slot]
+    chunk += 1
+    assert chunk < 200
+  return tokens, slot_of
+
+
+METHODS = ["ar", "chain", "ddtree", "cure", "hybrid", "auto", "ar_draft"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_served_equals_each_request_decoded_alone(models, method):
+  """Seven greedy requests through 3 slots, arriving at chunks 0, 0, 0, 1, 2, 2, 5 (so some
+  are inserted beside running ones and slots are reused)."""
+  requests = _requests(7)
+  engine = Engine(_generator(models, method, MAX_NEW), slots=3, max_len=MAX_LEN, steps=2)
+  got, slots = _serve(engine, requests, [0, 0, 0, 1, 2, 2, 5])
+  assert got == _alone(models, method, requests)
+  assert len(set(slots.values())) == 3 and engine.free_slots() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("method", ["ar", "chain", "ddtree", "cure"])
+def test_seeded_sampling_served_equals_each_request_decoded_alone(models, method):
+  """Temperature 1: a request samples from its own seed, not from its slot; the draws are
+  real (requests with other seeds and the same prompt emit other tokens)."""
+  requests = _requests(6, seed=3)
+  engine = Engine(_generator(models, method, MAX_NEW, 1.0), slots=2, max_len=MAX_LEN, steps=3)
+  got, _ = _serve(engine, requests, [0, 1, 1, 1, 3, 4])
+  assert got == _alone(models, method, requests, 1.0)
+  reseeded = [Request(r.prompt, r.max_tokens, r.seed + 1) for r in requests]
+  again, _ = _serve(engine, reseeded, [0] * len(reseeded))
+  assert sum(a != g for a, g in zip(again, got)) >= 3
+
+
+def test_cancel_frees_the_slot_for_the_next_request(models):
+  """A cancelled request's slot takes the next request at once; that request's tokens are
+  its own (nothing left over from the cancelled one)."""
+  engine = Engine(_generator(models, "chain", MAX_NEW), slots=1, max_len=MAX_LEN, steps=1)
+  first, second = _requests(2, seed=5)
+  engine.insert(0, Request(first.prompt, MAX_NEW, first.seed))
+  assert engine.free_slots() == [] and len(engine.step()[0].tokens) >= 1
+  engine.cancel(0)
+  assert engine.free_slots() == [0] and engine.step() == []
+  got, _ = _serve(engine, [second], [0])
+  assert got == _alone(models, "chain", [second])
+
+
+def test_bad_requests_are_refused_before_they_run(models):
+  engine = Engine(_generator(models, "ar", MAX_NEW), slots=1, max_len=MAX_LEN)
+  with pytest.raises(ValueError, match="max_len=48"):
+    engine.insert(0, Request(tuple(range(7)) * 6, MAX_NEW))
+  with pytest.raises(ValueError, match="max_tokens=13 is over"):
+    engine.check(3, MAX_NEW + 1)
+  with pytest.raises(ValueError, match="empty"):
+    engine.check(0, 3)
+  assert engine.free_slots() == [0]
+
+
+def test_requests_coming_and_going_compile_nothing_more(models):
+  """After the engine is built, nine requests of other lengths and limits, inserted while
+  others run and cancelled midway, trigger no compilation."""
+  engine = Engine(_generator(models, "cure", MAX_NEW), slots=2, max_len=MAX_LEN, steps=2)
+  compiles = []
+  listen = lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    requests = _requests(9, seed=7)
+    engine.insert(1, requests[0])
+    engine.step()
+    engine.cancel(1)
+    _serve(engine, requests[1:], [0, 0, 1, 1, 2, 3, 3, 6])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == []
