@@ -25,9 +25,12 @@ def get_config():
   # plain step's 16.5, 2026-12-07), so the smallest tree is 4 nodes, then 6 and 8 before the
   # whole block
   config.auto.budgets = "1,4,6,8,16"
-  # Fastest measured here (goodput table, held-out HumanEval 0-15): auto, which takes plain
-  # target steps on this CPU (0.98x target-only at batch 1, 4 and 16), where the best fixed tree,
-  # ddtree at v_max 16, runs at 0.67x / 0.43x / 0.27x (results/goodput_inner_loop). Among trees:
+  # Fastest measured here: auto, which mostly takes plain target steps on this CPU and runs the
+  # target-only program for calls in which its looks at the drafter, spaced out while they fail
+  # to pay, fall due nowhere (results/goodput_backoff_*: 0.96-1.03x target-only at batch 1, 4
+  # and 16 on held-out maths and HumanEval 0-11, within this shared machine's noise); the best
+  # fixed tree, ddtree at v_max 16, ran at 0.67x / 0.43x / 0.27x (results/goodput_inner_loop,
+  # whole-vocabulary drafter). Among trees:
   # ddtree at v_max 32 tau 2.149 vs cure earliest 1.938 at the same node budget and one
   # drafter pass instead of two; chain 1.660 ("2026-12-01 — Tree strategies side by side").
   config.method = "auto"
