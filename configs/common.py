@@ -82,8 +82,11 @@ def base_config() -> ml_collections.ConfigDict:
       cost_draft=0.0, cost_redraft=0.0, cost_verify_base=0.0, cost_verify_per_node=0.0))
   # method=auto: each iteration a goodput controller picks one of these node budgets (1 = a
   # plain target step) for the batch, by expected tokens per second (cure_jax/tree/controller.py).
-  # costs: seconds per budget; "" = timed on this device at start-up and cached. fallback: where
-  # no drafting budget could beat plain steps even if every draft were accepted, decode target-only.
+  # costs: seconds per budget; "" = timed on this device at start-up and cached. Looks at the
+  # drafter while plain steps win come explore_every iterations apart (or further, so that they
+  # cost at most explore_overhead of the time), twice as far after each one that does not pay.
+  # fallback: decode target-only where no drafting budget could beat plain steps even if every
+  # draft were accepted, and in a call that no look falls inside.
   config.auto = ml_collections.ConfigDict(dict(budgets="1,4,8,16", costs="", decay=0.8,
                                                explore_every=16, explore_overhead=0.02,
                                                fallback=True))

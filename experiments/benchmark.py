@@ -10,6 +10,7 @@
   python -m experiments.benchmark --table=peers --num_prompts=8         # transformers, dflash
   python -m experiments.benchmark --table=trees --num_prompts=20        # tree strategies
   python -m experiments.benchmark --table=goodput --num_prompts=8       # auto vs every budget
+  python -m experiments.benchmark --table=floors --num_prompts=1        # loop parts vs floors
   python -m experiments.benchmark --table=long_context                  # 1k/4k/8k context, windows
   python -m experiments.benchmark --table=serving                       # server under load
   python -m experiments.benchmark --table=all --results=results/

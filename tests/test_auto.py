@@ -21,6 +21,9 @@ BUDGETS = (1, 3, 6)
 
 
 def _auto(target, drafter, costs=(), **kw):
+  """auto with looks at the drafter every 4 iterations unless kw says otherwise, so that a
+  16-token run holds some (one without any runs the target-only program)."""
+  kw = dict(dict(explore_every=4, explore_overhead=100.0), **kw)
   cure = repair.RepairConfig(tau_margin=1e9, max_depth=ARCH.block_size - 1, topk=3)
   return Generator(target, drafter, method="auto", max_new_tokens=16, cure=cure,
                    auto=controller.Settings(budgets=BUDGETS, costs=costs, **kw))
@@ -38,10 +41,13 @@ def test_the_chosen_budget_is_what_the_target_verifies(pair, costs, every):
   batch = random_models.prompts(4, ARCH.vocab, 2)
   gen = _auto(target, drafter, costs, explore_every=every, explore_overhead=100.0,
               fallback=False)
+  # a look at step 0; it cannot pay (drafting 50x a plain step), so the spacing doubles: the
+  # next at 8, then 24, past the last step a 16-token run can repay (12)
+  looks = {0, 2 * every}
   for r in gen.generate(batch):
     for step, s in enumerate(r.stats):
       cheap = BUDGETS[costs.index(min(costs))]
-      explores = cheap == 1 and step % every == 0   # a plain step turned into the smallest draft
+      explores = cheap == 1 and step in looks   # a plain step turned into the smallest draft
       assert s["budget"] == (BUDGETS[1] if explores else cheap), (step, r.stats)
       assert s["nodes_verified"] <= s["budget"]
       if s["budget"] == 1:                          # a plain target step: one token, no tree
@@ -52,13 +58,42 @@ def test_the_chosen_budget_is_what_the_target_verifies(pair, costs, every):
 def test_a_look_the_run_cannot_repay_is_not_taken(pair):
   """Drafting 49x dearer than a plain step with 100% of the time allowed for looks: a look
   every 49 iterations, more than a 16-token run has, so every iteration is a plain step (the
-  parametrized test above sees the looks when the run can repay them)."""
+  parametrized test above sees the looks when the run can repay them); with the fallback on,
+  a run no look falls inside is the target-only program (no budget chosen)."""
   target, drafter = pair
-  gen = _auto(target, drafter, (1.0, 50.0, 60.0), explore_every=4, explore_overhead=1.0,
-              fallback=False)
-  assert gen.auto.explore_interval == 49 > gen.max_new_tokens
-  for r in gen.generate(random_models.prompts(4, ARCH.vocab, 2)):
-    assert [s["budget"] for s in r.stats] == [1] * len(r.stats)
+  prompts = random_models.prompts(4, ARCH.vocab, 2)
+  want = Generator(target, None, method="ar", max_new_tokens=16).generate(prompts)
+  for fallback, budget in ((False, 1), (True, 0)):
+    gen = _auto(target, drafter, (1.0, 50.0, 60.0), explore_every=4, explore_overhead=1.0,
+                fallback=fallback)
+    assert gen.auto.explore_interval == 49 > gen.max_new_tokens
+    assert gen.spec(64, batch=2).method == ("ar" if fallback else "auto")
+    got = gen.generate(prompts)
+    assert all(s["budget"] == budget for r in got for s in r.stats)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+
+
+def test_looks_that_do_not_pay_space_out_across_calls(pair):
+  """The spacing of looks and the step of the next one carry from call to call: looks at 4
+  iterations' spacing that never pay (3 nodes for 2.9 plain steps: a look pays only if the
+  batch's rows accept both drafts, which this pair's drafter does not manage) come at steps 0 and 8 of the
+  first 16-token call (15 iterations), then 16 apart: step 9 of the next; 32 apart: the one
+  after holds none and runs the target-only program, whose 15 iterations bring the next look to
+  step 11 of the fourth. Every call emits target-only decoding's tokens."""
+  target, drafter = pair
+  gen = _auto(target, drafter, (1.0, 2.9, 6.5), explore_every=4, explore_overhead=100.0)
+  prompts = random_models.prompts(4, ARCH.vocab, 2)
+  want = Generator(target, None, method="ar", max_new_tokens=16).generate(prompts)
+  looks = []
+  for _ in range(4):
+    got = gen.generate(prompts)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    looks.append([t for t, s in enumerate(got[0].stats) if s["budget"] > 1])
+    for t in looks[-1]:   # the batch's tokens at a look: fewer than 2.9 plain steps' worth
+      assert sum(r.stats[t]["accept_lengths"] for r in got) < 2.9 * len(got)
+    assert all(s["budget"] == (0 if looks[-1] == [] else 1)
+               for r in got for t, s in enumerate(r.stats) if t not in looks[-1])
+  assert looks == [[0, 8], [9], [], [11]], looks
 
 
 @pytest.mark.parametrize("costs, drafts", [((1.0, 3.5, 6.5), False), ((1.0, 2.9, 6.5), True),

@@ -184,7 +184,9 @@ def _one_error_line(child) -> str:
      "error: --config.batch_size=abc: config.batch_size takes an int (the config has 1)"),
     (("--config.batch_size=0",),
      "error: batch_size=0 must be a positive integer (prompts decoded together)"),
-], ids=["unknown_field", "wrong_type", "batch_size_0"])
+    (("--config.cure.v_max=-3",),   # the default method, auto, sets the tree's v_max itself
+     "error: cure.v_max=-3 must be >= 2 (the root and a drafted node)"),
+], ids=["unknown_field", "wrong_type", "batch_size_0", "v_max_under_auto"])
 def test_config_mistakes_are_one_line(args, line):
   child = _cli(*args)
   assert _one_error_line(child) == line
@@ -205,6 +207,32 @@ def test_unknown_config_fields_name_the_nearest():
   assert errors.unknown_field(config, "cure.v_max.x") == (
       "unknown config field 'cure.v_max.x': 'cure.v_max' is a setting (64 in the config), not a "
       "group of fields")
+
+
+@pytest.mark.parametrize("method", ["ar", "chain", "ddtree", "auto", "ar_draft"])
+def test_tree_controller_and_sampling_ranges_whichever_method(method):
+  """A setting out of its range is refused before loading, also by a method that does not read
+  it or overrides it; every problem in one message."""
+  from configs.common import base_config
+  for group, field, value, says in [
+      ("cure", "v_max", -3, "cure.v_max=-3 must be >= 2"),
+      ("cure", "topk", 0, "cure.topk=0 must be >= 1"),
+      ("cure", "b_min", 0, "cure.b_min=0, b_max=5: need 1 <= b_min <= b_max"),
+      ("cure", "cost_draft", -1.0, "cure.cost_draft, cost_redraft, cost_verify_base, "),
+      ("auto", "decay", 1.5, "auto.decay=1.5 must be in [0, 1)"),
+      ("auto", "budgets", "4,1", "auto.budgets=(4, 1): give increasing node counts"),
+      (None, "top_p", 0.0, "top_p=0.0 must lie in (0, 1]")]:
+    config = base_config()
+    config.method = method
+    (config[group] if group else config)[field] = value
+    with pytest.raises(ValueError) as e:
+      pipeline.check_config(config)
+    assert str(e.value).startswith(says), str(e.value)
+  config = base_config()
+  config.method = method
+  config.cure.v_max, config.auto.decay = 0, -0.5
+  with pytest.raises(ValueError, match=r"^cure.v_max=0 must be >= 2 .*; auto.decay=-0.5 must"):
+    pipeline.check_config(config)
 
 
 def test_run_settings_are_checked_before_loading(pair):

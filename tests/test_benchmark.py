@@ -304,10 +304,13 @@ def test_goodput_table(bench):
   variants = [v for v in goodput_variants(k) if v.label in labels]
   assert len(variants) == len(labels)
   bench.config.auto.costs = "1.0,1.4,1.7,2.2"   # fixed costs: no timing in a test
+  bench.config.auto.explore_every = 4            # looks that fit a 16-token run
+  bench.config.auto.explore_overhead = 1.0
   try:
     table_goodput(bench, batch_sizes=(2,), variants=variants)
   finally:
     bench.config.auto.costs = ""
+    bench.config.auto.explore_every, bench.config.auto.explore_overhead = 16, 0.02
   g = _load(bench, "goodput")
   rows = {r["method"]: r for r in g["rows"]}
   assert set(rows) == set(labels)
@@ -315,9 +318,41 @@ def test_goodput_table(bench):
     assert r["mismatches_vs_ar"] == 0 and r["batch"] == 2
     assert r["vs_ar"] == pytest.approx(rows["ar"]["tpot_ms"] / r["tpot_ms"])
   auto = rows["auto"]
-  assert sum(auto["budgets"].values()) == auto["iterations"]   # one budget per iteration
+  # one budget per iteration of a controlled call; a call no look falls inside (here the second,
+  # after a look that did not pay) runs target-only and chooses none
+  assert 0 < sum(auto["budgets"].values()) <= auto["iterations"]
   assert {int(n) for n in auto["budgets"]} <= {1, 4, 8, 16} and not rows["chain"]["budgets"]
   verdict, = g["verdicts"]
   best = max((r for r in rows.values() if r["method"] != "auto"), key=lambda r: r["tokens_per_s"])
   assert verdict["best_fixed"] == best["method"]
   assert verdict["auto_vs_best"] == pytest.approx(auto["tokens_per_s"] / best["tokens_per_s"])
+
+
+def test_floors_table(bench):
+  """Every part of auto's loop beside its floor, and the floor is the weights' products: the
+  jitted chain against numpy's over the same random model."""
+  import numpy as np
+  from experiments.tables.floors import layer_weights, matmul_floor, table_floors
+  target = bench.target
+  head = np.asarray(target.head_rows(np.arange(ARCH.vocab, dtype=np.int32)))
+  head = head if head.shape[0] == ARCH.vocab else head.T
+  layers = layer_weights(target)
+  assert len(layers) == target.cfg.num_layers and all(len(w) == 7 for w in layers)
+  fn, args = matmul_floor(layers, head, 3)
+  x = np.asarray(args[2], np.float64)
+  for w in layers:
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    q, k, v = x @ w["q_proj"], x @ w["k_proj"], x @ w["v_proj"]
+    x = x + q @ w["o_proj"] + k.mean() + v.mean()
+    g = x @ w["gate_proj"]
+    x = x + (g / (1 + np.exp(-g)) * (x @ w["up_proj"])) @ w["down_proj"]
+  np.testing.assert_allclose(fn(*args), x @ head.T, rtol=1e-4, atol=1e-5)
+
+  table_floors(bench)
+  f = _load(bench, "floors")
+  parts = [r["part"] for r in f["rows"]]
+  assert parts[0] == "plain step (1 row)" and parts[-1].startswith("drafter pass (")
+  assert parts[1:-1] == [f"verify {n} nodes" for n in (4, 8, 16)]
+  assert all(r["loop_ms"] > 0 and r["floor_ms"] > 0 and
+             r["ratio"] == pytest.approx(r["loop_ms"] / r["floor_ms"]) for r in f["rows"])
+  assert sorted(int(r) for r in f["matmul_floor_ms"]) == [1, 2, 4, 8, 16, 32]

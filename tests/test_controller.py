@@ -13,7 +13,7 @@ BUDGETS = (1, 3, 5, 9)
 
 
 def _py_choose(mass, observed, predicted, active, costs, budgets, step, explore_every,
-               overhead=0.02, horizon=10 ** 9):
+               overhead=0.02, horizon=10 ** 9, next_look=None):
   rates = []
   for a in range(len(budgets)):
     total = 0.0
@@ -24,7 +24,8 @@ def _py_choose(mass, observed, predicted, active, costs, budgets, step, explore_
     rates.append(total / costs[a])
   best = max(range(len(rates)), key=lambda a: (rates[a], -a))
   interval = max(explore_every, math.ceil((costs[1] / costs[0] - 1) / overhead))
-  if budgets[best] == 1 and step % interval == 0 and budgets[-1] > 1 and \
+  next_look = step - step % interval if next_look is None else next_look
+  if budgets[best] == 1 and step >= next_look and budgets[-1] > 1 and \
       horizon - step >= interval:
     best = next(a for a, n in enumerate(budgets) if n > 1)
   return best, sorted(rates)
@@ -35,13 +36,15 @@ def _py_masses(valid, path_logp, budgets):
           for b in range(len(valid))]
 
 
-def _state(rng, batch):
+def _state(rng, batch, next_look=0):
   mass = rng.uniform(0, 4, (batch, len(BUDGETS))) * (np.array(BUDGETS) > 1)
   return controller.Controller(mass=jnp.asarray(mass, jnp.float32),
                                observed=jnp.asarray(rng.uniform(0, 3, batch), jnp.float32),
                                predicted=jnp.asarray(rng.uniform(0, 3, batch) *
                                                      (rng.random(batch) > 0.2), jnp.float32),
-                               seen=jnp.asarray(rng.random(batch) > 0.3))
+                               seen=jnp.asarray(rng.random(batch) > 0.3),
+                               interval=jnp.asarray(int(rng.integers(1, 300)), jnp.int32),
+                               next_look=jnp.asarray(next_look, jnp.int32))
 
 
 def test_choice_equals_the_plain_python_rule():
@@ -56,9 +59,11 @@ def test_choice_equals_the_plain_python_rule():
                               explore_overhead=0.05)
     step = int(rng.integers(0, 200))
     horizon = int(rng.choice([150, 10 ** 6]))   # a short run takes no look it cannot repay
+    next_look = int(rng.choice([0, step, step + 1, 10 ** 4]))
+    ctrl = ctrl.replace(next_look=jnp.asarray(next_look, jnp.int32))
     want, rates = _py_choose(np.asarray(ctrl.mass, np.float64), np.asarray(ctrl.observed),
                              np.asarray(ctrl.predicted), active, costs, BUDGETS, step, 3, 0.05,
-                             horizon)
+                             horizon, next_look)
     if len(rates) > 1 and rates[-1] - rates[-2] < 1e-4 * rates[-1]:
       continue  # a near-tie: float32 may order it either way
     got = int(controller.choose(ctrl, cfg, jnp.asarray(active), step, horizon))
@@ -69,7 +74,7 @@ def test_choice_equals_the_plain_python_rule():
 
 def test_masses_and_update_equal_the_plain_python_rule():
   rng = np.random.default_rng(1)
-  cfg = controller.Settings(budgets=BUDGETS, costs=(1.0,) * 4, decay=0.75)
+  cfg = controller.Settings(budgets=BUDGETS, costs=(1.0, 2.0, 2.5, 4.0), decay=0.75)
   for trial in range(15):
     batch, v = 3, 9
     valid = rng.random((batch, v)) > 0.3
@@ -83,7 +88,16 @@ def test_masses_and_update_equal_the_plain_python_rule():
     active = rng.random(batch) > 0.3
     arm = int(rng.integers(0, len(BUDGETS)))
     accepted = rng.integers(0, 5, batch)
-    new = controller.update(ctrl, cfg, arm, jnp.asarray(active), mass, jnp.asarray(accepted))
+    step = int(rng.integers(0, 100))
+    new = controller.update(ctrl, cfg, arm, jnp.asarray(active), mass, jnp.asarray(accepted),
+                            step)
+    drafted_any = BUDGETS[arm] > 1 and active.any()
+    pays = sum(1 + accepted[b] for b in range(batch) if active[b]) * cfg.costs[0] >= \
+        active.sum() * cfg.costs[arm]
+    interval = ((cfg.explore_interval if pays else 2 * int(ctrl.interval)) if drafted_any
+                else int(ctrl.interval))
+    assert int(new.interval) == interval
+    assert int(new.next_look) == (step + interval if drafted_any else int(ctrl.next_look))
     for b in range(batch):
       drafted = active[b] and BUDGETS[arm] > 1
       a = 0.75 if ctrl.seen[b] else 0.0
@@ -104,7 +118,7 @@ def test_a_calibrated_drafter_is_followed_to_the_budget_that_pays():
   m = np.array([[0.0, 1.6, 2.4, 3.0]])                       # predicted accepted drafts
   for costs, best in (((1.0, 1.2, 1.4, 1.8), 2), ((1.0, 2.5, 2.6, 2.9), 0)):
     cfg = controller.Settings(budgets=BUDGETS, costs=costs, explore_every=1000)
-    ctrl = controller.init(1, len(BUDGETS))
+    ctrl = controller.init(1, cfg, next_look=10 ** 6)
     active = jnp.ones((1,), bool)
     picks = []
     for step in range(1, 30):
@@ -112,10 +126,48 @@ def test_a_calibrated_drafter_is_followed_to_the_budget_that_pays():
       arm = 1 if step == 1 else arm                            # one look at the drafter
       picks.append(arm)
       ctrl = controller.update(ctrl, cfg, arm, active, jnp.asarray(m, jnp.float32),
-                               jnp.asarray([m[0, arm] / 2]))
+                               jnp.asarray([m[0, arm] / 2]), step)
     true_rate = (1 + m[0] / 2) / np.array(costs)
     assert int(np.argmax(true_rate)) == best
     assert picks[-10:] == [best] * 10, picks
+
+
+def _py_looks(pays, base: int, steps: int) -> list[int]:
+  """The steps at which a run of plain steps looks at the drafter, in the plain-Python rule:
+  the first at step 0; after a look that fails to pay the spacing doubles, after one that pays
+  it is the base again. pays(i): whether the i-th look pays (one that pays is followed by plain
+  steps here too: the drafter's means are kept low)."""
+  looks, interval, next_look = [], base, 0
+  for step in range(steps):
+    if step >= next_look:
+      interval = base if pays(len(looks)) else 2 * interval
+      looks.append(step)
+      next_look = step + interval
+  return looks
+
+
+@pytest.mark.parametrize("pays", [lambda i: False, lambda i: True, lambda i: i % 3 == 2],
+                         ids=["never", "always", "every_third"])
+def test_looks_back_off_while_they_fail_to_pay(pays):
+  """The loop's spacing of looks against the plain-Python rule: with looks that never pay,
+  a 2,000-step run looks 6 times where a fixed spacing of 20 would look 100 times."""
+  budgets, costs, base = (1, 4, 8), (1.0, 2.0, 3.0), 20
+  cfg = controller.Settings(budgets=budgets, costs=costs, explore_every=base,
+                            explore_overhead=1.0)
+  assert cfg.explore_interval == base
+  ctrl = controller.init(1, cfg)
+  active = jnp.ones((1,), bool)
+  zero = jnp.zeros((1, len(budgets)), jnp.float32)   # the drafter predicts nothing: plain wins
+  looks = []
+  for step in range(2000):
+    arm = int(controller.choose(ctrl, cfg, active, step, 10 ** 6))
+    if budgets[arm] > 1:
+      accepted = 1.0 if pays(len(looks)) else 0.0    # 2 tokens for twice a plain step's cost
+      looks.append(step)
+      ctrl = controller.update(ctrl, cfg, arm, active, zero, jnp.asarray([accepted]), step)
+  assert looks == _py_looks(pays, base, 2000)
+  if not any(pays(i) for i in range(len(looks))):
+    assert looks == [0, 40, 120, 280, 600, 1240]
 
 
 @pytest.mark.parametrize("bad, match", [

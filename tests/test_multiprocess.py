@@ -56,6 +56,7 @@ def _decode_args(root, target_dir, drafter_dir, method, data, model, out, *extra
           f"--config.prompts={root / 'prompts.jsonl'}", f"--config.method={method}",
           f"--config.max_new_tokens={MAX_NEW}", "--config.ignore_eos=true",
           "--config.check_ar=false", "--config.batch_size=4", "--config.compilation_cache=off",
+          "--config.drafter.vocab=0",   # a random drafter: no token counts beside it
           f"--config.mesh.data={data}", f"--config.mesh.model={model}",
           # prompts of 3..10 tokens in 1..3 chunks, against one process prefilling in one step
           "--config.prefill_chunk=4",

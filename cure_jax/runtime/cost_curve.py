@@ -43,7 +43,8 @@ def _key(graphdef, params, spec: Spec, batch: int) -> str:
   return hashlib.sha1(what.encode()).hexdigest()[:16]
 
 
-def _seconds(fn, *args) -> float:
+def seconds(fn, *args) -> float:
+  """Median seconds of fn(*args) over REPEATS runs after one to compile and warm up."""
   jax.block_until_ready(fn(*args))  # compile and warm up
   runs = []
   for _ in range(REPEATS):
@@ -90,7 +91,7 @@ def _verifying(graphdef, spec: Spec, n: int):
 def draft_seconds(graphdef, params, spec: Spec, batch: int) -> float:
   """Seconds of one drafter pass, the draft logits through the head included (median); a draft
   vocabulary's head rows are gathered beforehand, as in the decoding loop."""
-  return _seconds(_drafting(graphdef, params, spec), params, _start(graphdef, params, spec, batch))
+  return seconds(_drafting(graphdef, params, spec), params, _start(graphdef, params, spec, batch))
 
 
 def time_budgets(graphdef, params, spec: Spec, batch: int) -> dict:
@@ -98,8 +99,8 @@ def time_budgets(graphdef, params, spec: Spec, batch: int) -> dict:
   st = _start(graphdef, params, spec, batch)
   draft = _drafting(graphdef, params, spec)
   proposal = draft(params, st)
-  return dict(draft_s=_seconds(draft, params, st), budgets=list(spec.auto.budgets),
-              verify_s=[_seconds(_verifying(graphdef, spec, n), params, st, proposal)
+  return dict(draft_s=seconds(draft, params, st), budgets=list(spec.auto.budgets),
+              verify_s=[seconds(_verifying(graphdef, spec, n), params, st, proposal)
                         for n in spec.auto.budgets])
 
 
@@ -110,8 +111,8 @@ def time_online(graphdef, params, spec: Spec, batch: int) -> dict:
   chain, tree = _drafting(graphdef, params, spec, False), _drafting(graphdef, params, spec, True)
   proposal = tree(params, st)
   k, v = spec.block_size, spec.cure.v_max
-  return dict(draft_s=_seconds(chain, params, st), draft_repair_s=_seconds(tree, params, st),
-              nodes=[k, v], verify_s=[_seconds(_verifying(graphdef, spec, n), params, st,
+  return dict(draft_s=seconds(chain, params, st), draft_repair_s=seconds(tree, params, st),
+              nodes=[k, v], verify_s=[seconds(_verifying(graphdef, spec, n), params, st,
                                                proposal) for n in (k, v)])
 
 
@@ -128,10 +129,10 @@ def _cached(kind: str, graphdef, params, spec: Spec, batch: int, timer, log) -> 
   return curve
 
 
-def _same_everywhere(seconds) -> tuple[float, ...]:
+def _same_everywhere(values) -> tuple[float, ...]:
   if jax.process_count() > 1:  # every process must compile the same loop: process 0's numbers
-    seconds = multihost_utils.broadcast_one_to_all(np.asarray(seconds))
-  return tuple(float(x) for x in seconds)
+    values = multihost_utils.broadcast_one_to_all(np.asarray(values))
+  return tuple(float(x) for x in values)
 
 
 def costs(graphdef, params, spec: Spec, batch: int, log=print) -> tuple[float, ...]:

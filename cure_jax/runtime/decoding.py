@@ -133,7 +133,7 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, first_row=0, *, spec
                iterations=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
                stats=Stats.zeros(b, n, u, spec.block_size),
                budget=budget_lib.init(b) if spec.online else None,
-               controller=controller.init(b, len(spec.auto.budgets)) if spec.auto else None)
+               controller=controller.init(b, spec.auto) if spec.auto else None)
 
 
 def propose(target, drafter, spec: Spec, st: State, want=None):
@@ -338,7 +338,7 @@ def drafted_iteration(target, drafter, spec: Spec, st: State, arm) -> State:
   new = commit(drafter, spec, st, proposal, dcache, verdict, verified)
   new = _record_budget(new, st, n, expected)
   return new.replace(controller=controller.update(st.controller, cfg, arm, active, mass,
-                                                  verdict.accepted))
+                                                  verdict.accepted, st.step))
 
 
 def _running(spec: Spec, st: State):

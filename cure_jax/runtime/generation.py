@@ -127,6 +127,9 @@ class Generator:
       raise ValueError(f"block size {block_size} must be >= 1")
     self.auto = None
     self._target_only: set[int] = set()   # batch sizes where auto decodes target-only
+    # per batch size, what auto's earlier calls learned: (spacing of looks at the drafter,
+    # iterations until the next one), carried from call to call (controller.update)
+    self._looks: dict[int, tuple[int, int]] = {}
     if impl.controlled:  # the tree holds the largest budget
       self.auto = auto or controller.Settings()
       self.auto.validate()
@@ -169,12 +172,40 @@ class Generator:
               "every draft were accepted; decoding target-only")
       spec = decoding_spec("ar", None, self.max_new_tokens, max_len, self.stop_ids,
                            sampling=self.sampling, prefill_chunk=self.prefill_chunk)
+    elif (spec.auto is not None and spec.auto.fallback and
+          self._next_look(spec, batch) > self._last_look(spec)):
+      # no look at the drafter falls inside this call: plain steps all through, which the
+      # target-only program takes without the controlled loop's overhead
+      self._looks.setdefault(batch, (spec.auto.explore_interval, 0))
+      spec = decoding_spec("ar", None, self.max_new_tokens, max_len, self.stop_ids,
+                           sampling=self.sampling, prefill_chunk=self.prefill_chunk)
     if spec.online and not any(spec.cure.costs):
       c = cost_curve.online_costs(self.graphdef, self.params, spec, batch)
       spec = dataclasses.replace(spec, cure=dataclasses.replace(
           spec.cure, cost_draft=c[0], cost_redraft=c[1], cost_verify_base=c[2],
           cost_verify_per_node=c[3]))
     return spec
+
+  def _next_look(self, spec: Spec, batch: int) -> int:
+    """The step of the first look at the drafter in the next call at `batch`."""
+    return self._looks.get(batch, (spec.auto.explore_interval, 0))[1]
+
+  def _last_look(self, spec: Spec) -> int:
+    """The last step at which a look can be taken (controller.choose: one the run can repay)."""
+    return self.max_new_tokens - spec.auto.explore_interval
+
+  def _learn_looks(self, spec: Spec, batch: int, state) -> None:
+    """Keeps what this call at `batch` left for the next: the controller's spacing of looks
+    and the iterations to its next look, counted down by a target-only call's iterations."""
+    if self.auto is None or batch in self._target_only:
+      return
+    steps = int(np.max(state.iterations))
+    if spec.auto is None:       # target-only this time: the next look draws nearer
+      interval, due = self._looks[batch]
+      self._looks[batch] = (interval, max(due - steps, 0))
+    else:
+      ctrl = state.controller
+      self._looks[batch] = (int(ctrl.interval), max(int(ctrl.next_look) - int(state.step), 0))
 
   def cache_len(self, prompt_len: int) -> int:
     """The static cache length for a prompt bucket; checks the user's max_len if given."""
@@ -213,9 +244,9 @@ class Generator:
                  nodes=nodes, devices=devices, tree=tree, cache=cache)
     self._fits.add((batch, max_len))
 
-  def _executables(self, batch: int, bucket: int, max_len: int):
+  def _executables(self, batch: int, bucket: int, max_len: int, spec: Spec | None = None):
     """Compiled prefill and decode, shared by every Generator with the same model structure."""
-    spec = self.spec(max_len, batch)
+    spec = spec or self.spec(max_len, batch)
     key = (self.graphdef, spec, batch, bucket, self.mesh, self.compiler_options)
     platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
                 else jax.default_backend())
@@ -265,7 +296,8 @@ class Generator:
     # with a fixed max_len every prompt pads to it: one compiled prefill for all lengths
     bucket = max_len if self.max_len else prompt_bucket(longest)
     self.check_memory(len(prompts), max_len, longest)
-    pre, dec = self._executables(len(prompts), bucket, max_len)
+    spec = self.spec(max_len, len(prompts))
+    pre, dec = self._executables(len(prompts), bucket, max_len, spec)
     padded = np.zeros((len(prompts), bucket), np.int32)
     for i, p in enumerate(prompts):
       padded[i, :len(p)] = p
@@ -275,11 +307,18 @@ class Generator:
     if self.mesh is not None:
       key, first = sharding.put_key(key, self.mesh), sharding.put_replicated(first, self.mesh)
     state = pre(self.params, put(padded), put(lengths), key, first)
+    if spec.auto is not None and len(prompts) in self._looks:   # what earlier calls learned
+      scalar = jnp.asarray if self.mesh is None else (
+          lambda x: sharding.put_replicated(x, self.mesh))
+      interval, due = self._looks[len(prompts)]
+      state = state.replace(controller=state.controller.replace(
+          interval=scalar(np.int32(interval)), next_look=scalar(np.int32(due))))
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = dec(self.params, state)
     state = sharding.to_host(state.replace(cache=None, dcache=None, key=None))  # results only
     decode_s = time.perf_counter() - t0
+    self._learn_looks(spec, len(prompts), state)
     return [self._unpack(state, i, decode_s, count) for i in range(count)]
 
   def _unpack(self, state, i: int, decode_s: float, count: int) -> Result:

@@ -109,8 +109,30 @@ def check_config(config) -> None:
   if numerics_mode == "invariant" and isinstance(max_len, int) and max_len >= numerics.MAX_TERMS:
     problems.append(f"max_len={max_len}: numerics=invariant sums attention exactly over fewer "
                     f"than {numerics.MAX_TERMS} keys; lower max_len")
+  problems += method_independent_problems(config)
   if problems:
     raise ValueError("; ".join(problems))
+
+
+def method_independent_problems(config) -> list[str]:
+  """The tree (cure.*), controller (auto.*) and sampling settings out of range, whichever method
+  runs: a method that does not read one, or overrides it (auto sets the tree's v_max from its
+  budgets), would otherwise take a wrong value without a word."""
+  problems = []
+  try:
+    problems += [f"cure.{p}" for p in repair.RepairConfig(**dict(config.cure)).range_problems()]
+  except TypeError as e:   # a field of the wrong kind
+    problems.append(f"cure: {e}")
+  for check in (lambda: auto_settings(config), lambda: sampling_of(config).validate()):
+    try:
+      check()
+    except ValueError as e:
+      problems.append(str(e))
+  return problems
+
+
+def sampling_of(config) -> Sampling:
+  return Sampling(float(config.temperature), int(config.top_k), float(config.top_p))
 
 
 def mesh_of(config):
@@ -265,8 +287,7 @@ def make_generator(config, target, drafter, stops=(), method: str | None = None)
                    stop_ids=() if config.ignore_eos else stops, block_size=block,
                    cure=repair_config(config, block) if impl.tree_config else None,
                    max_len=int(config.max_len) or None, mesh=mesh_of(config),
-                   sampling=Sampling(float(config.temperature), int(config.top_k),
-                                     float(config.top_p)), seed=int(config.seed),
+                   sampling=sampling_of(config), seed=int(config.seed),
                    compiler_options=compiler_options(config.compiler_options),
                    prefill_chunk=int(config.prefill_chunk),
                    drafter_window=int(config.drafter.window),

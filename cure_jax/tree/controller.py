@@ -14,9 +14,13 @@ predicted ones, running means over the iterations that drafted. C(B, n) is the d
 curve (cure_jax/costs/curve.py), drafter pass included for n > 1.
 
 A plain target step tells nothing about the drafter, so now and then an iteration that would
-take one drafts with the smallest drafting budget instead (the cheapest look at the text): every
-`explore_every`-th iteration, or more rarely when drafting costs so much more than a plain step
-that looking more often would cost over `explore_overhead` of the plain steps' time.
+take one drafts with the smallest drafting budget instead (the cheapest look at the text). Looks
+start `explore_every` iterations apart, or further where drafting costs so much more than a plain
+step that looking more often would cost over `explore_overhead` of the plain steps' time; each
+drafted iteration that fails to pay (fewer tokens per second than plain steps would have given,
+at the curve's costs) doubles the spacing, one that pays restores it. Where looks never pay they
+soon stop costing anything; the spacing and the next look's step carry over to the next call
+(Generator), which runs the target-only program when no look falls inside it.
 Everything is loop state: no host round-trip. The budget only cuts a tree to its first n nodes,
 which best-first trees keep closed under parents, so any choice is lossless.
 """
@@ -39,6 +43,7 @@ class Settings:
   explore_every: int = 16                   # a plain target step becomes a draft this often,
   explore_overhead: float = 0.02            # or rarer: looking costs at most this fraction
   fallback: bool = True                     # target-only where no budget can pay (can_pay)
+                                            # or no look falls inside a call (Generator)
 
   def validate(self) -> None:
     b = self.budgets
@@ -81,12 +86,22 @@ class Controller:
   observed: jax.Array   # [B] running mean of accepted drafts, iterations that drafted
   predicted: jax.Array  # [B] running mean of m_b(n) of the budget verified then
   seen: jax.Array       # [B] a drafting iteration has been observed
+  interval: jax.Array   # [] iterations from a drafted iteration to the next look
+  next_look: jax.Array  # [] the step of the next look while plain steps win
 
 
-def init(batch: int, arms: int) -> Controller:
+# the longest spacing of looks (iterations): doubling stops here, far past any run's length
+LONGEST = 1 << 24
+
+
+def init(batch: int, cfg: Settings, interval=None, next_look=0) -> Controller:
+  """A fresh controller; interval / next_look: the spacing a previous call learned (default
+  the settings' explore_interval, a look at once)."""
   z = jnp.zeros((batch,))
-  return Controller(mass=jnp.zeros((batch, arms)), observed=z, predicted=z,
-                    seen=jnp.zeros((batch,), bool))
+  interval = cfg.explore_interval if interval is None else interval
+  return Controller(mass=jnp.zeros((batch, len(cfg.budgets))), observed=z, predicted=z,
+                    seen=jnp.zeros((batch,), bool), interval=jnp.asarray(interval, jnp.int32),
+                    next_look=jnp.asarray(next_look, jnp.int32))
 
 
 def expected_tokens(ctrl: Controller):
@@ -98,16 +113,16 @@ def expected_tokens(ctrl: Controller):
 
 def choose(ctrl: Controller, cfg: Settings, active, step, horizon: int):
   """The budget index [] for this iteration; active [B] sequences still decoding. A look at
-  the drafter is taken only where the run can repay it: at least an explore interval of
-  iterations left of the `horizon` (max_new_tokens; each iteration emits a token or more), so
-  a short run on a device where drafting is dear never pays for one."""
+  the drafter is taken at ctrl.next_look or later, and only where the run can repay it: at
+  least an explore interval of iterations left of the `horizon` (max_new_tokens; each iteration
+  emits a token or more), so a short run on a device where drafting is dear never pays for
+  one."""
   budgets = jnp.asarray(cfg.budgets)
   rate = jnp.sum(jnp.where(active[:, None], expected_tokens(ctrl), 0.0), axis=0)
   arm = jnp.argmax(rate / jnp.asarray(cfg.costs, jnp.float32)).astype(jnp.int32)
   drafting = jnp.argmax(budgets > 1).astype(jnp.int32)     # the smallest drafting budget
-  interval = cfg.explore_interval
-  explore = ((budgets[arm] == 1) & (step % interval == 0) & (horizon - step >= interval) &
-             (budgets[-1] > 1))
+  explore = ((budgets[arm] == 1) & (step >= ctrl.next_look) &
+             (horizon - step >= cfg.explore_interval) & (budgets[-1] > 1))
   return jnp.where(explore, drafting, arm)
 
 
@@ -121,9 +136,19 @@ def masses(cfg: Settings, valid, path_logp):
   return jnp.sum(jnp.where(within, p[:, None, :], 0.0), axis=-1)
 
 
-def update(ctrl: Controller, cfg: Settings, arm, active, mass, accepted) -> Controller:
-  """After an iteration at budget index `arm` []: mass [B, A] this iteration's m_b(n) (ignored
-  unless it drafted), accepted [B] drafts accepted. A sequence's first draft sets its means."""
+def paid(cfg: Settings, arm, active, accepted):
+  """[] whether an iteration at budget index `arm` gave the active sequences at least the
+  tokens per second that plain steps would have: Σ (1 + accepted) / C(n) >= Σ 1 / C(1)."""
+  costs = jnp.asarray(cfg.costs, jnp.float32)
+  tokens = jnp.sum(jnp.where(active, 1.0 + accepted, 0.0))
+  return tokens * costs[0] >= jnp.sum(active) * costs[arm]
+
+
+def update(ctrl: Controller, cfg: Settings, arm, active, mass, accepted, step) -> Controller:
+  """After an iteration at budget index `arm` [] and loop step `step` []: mass [B, A] this
+  iteration's m_b(n) (ignored unless it drafted), accepted [B] drafts accepted. A sequence's
+  first draft sets its means; a drafted iteration sets the spacing of looks (restored when it
+  paid, doubled when it did not) and the next look's step."""
   drafted = active & (jnp.asarray(cfg.budgets)[arm] > 1)
   a = jnp.where(ctrl.seen, cfg.decay, 0.0)
 
@@ -132,7 +157,12 @@ def update(ctrl: Controller, cfg: Settings, arm, active, mass, accepted) -> Cont
     keep = drafted.reshape(a_.shape)
     return jnp.where(keep, a_ * old + (1 - a_) * new, old)
 
+  any_drafted = jnp.any(drafted)
+  interval = jnp.where(paid(cfg, arm, active, accepted), cfg.explore_interval,
+                       jnp.minimum(2 * ctrl.interval, LONGEST))
+  interval = jnp.where(any_drafted, interval, ctrl.interval)
   return Controller(mass=mean(ctrl.mass, mass),
                     observed=mean(ctrl.observed, accepted.astype(jnp.float32)),
                     predicted=mean(ctrl.predicted, mass[:, arm]),
-                    seen=ctrl.seen | drafted)
+                    seen=ctrl.seen | drafted, interval=interval,
+                    next_look=jnp.where(any_drafted, step + interval, ctrl.next_look))

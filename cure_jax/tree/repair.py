@@ -51,32 +51,44 @@ class RepairConfig:
   def num_paths(self) -> int:
     return min(self.beam_width, self.max_repair_positions * self.b_max)
 
-  def validate(self, block_size: int) -> None:
+  def range_problems(self) -> list[str]:
+    """What is out of range whatever the drafter's block size: checked for every method, since
+    a method that does not read a setting (or overrides it, as auto does v_max) would otherwise
+    run without a word."""
     problems = []
     if self.tau_margin < 0:
       problems.append(f"tau_margin={self.tau_margin} must be >= 0 (0 disables repair)")
     if self.margin_scale <= 0:
       problems.append(f"margin_scale={self.margin_scale} must be > 0")
     if not 1 <= self.b_min <= self.b_max:
-      problems.append(f"need 1 <= b_min <= b_max, got b_min={self.b_min}, b_max={self.b_max}")
+      problems.append(f"b_min={self.b_min}, b_max={self.b_max}: need 1 <= b_min <= b_max")
     if self.select not in SELECT_RULES:
       problems.append(f"select={self.select!r} must be one of {SELECT_RULES}")
     if self.max_repair_positions < 1:
-      problems.append("max_repair_positions must be >= 1")
+      problems.append(f"max_repair_positions={self.max_repair_positions} must be >= 1")
     if self.beam_width < 1:
-      problems.append("beam_width must be >= 1")
-    if not 1 <= self.max_depth <= block_size - 1:
-      problems.append(f"max_depth={self.max_depth} must lie in 1..block_size-1={block_size - 1}")
+      problems.append(f"beam_width={self.beam_width} must be >= 1")
+    if self.max_depth < 1:
+      problems.append(f"max_depth={self.max_depth} must be >= 1")
+    if self.v_max < 2:
+      problems.append(f"v_max={self.v_max} must be >= 2 (the root and a drafted node)")
     if self.topk < 1:
       problems.append(f"topk={self.topk} must be >= 1")
     if min(self.costs) < 0 or (any(self.costs) and self.cost_draft + self.cost_verify_base <= 0):
-      problems.append("online costs must be >= 0, with cost_draft + cost_verify_base > 0 (or "
+      problems.append(f"cost_draft, cost_redraft, cost_verify_base, cost_verify_per_node="
+                      f"{self.costs} must be >= 0, with cost_draft + cost_verify_base > 0 (or "
                       "all four 0: timed on this device)")
     if not 0 <= self.online_decay < 1:
       problems.append(f"online_decay={self.online_decay} must lie in [0, 1)")
     if self.explore_every < 1:
       problems.append(f"explore_every={self.explore_every} must be >= 1")
-    if self.v_max < self.max_depth + 1:
+    return problems
+
+  def validate(self, block_size: int) -> None:
+    problems = self.range_problems()
+    if not self.max_depth <= block_size - 1:
+      problems.append(f"max_depth={self.max_depth} must lie in 1..block_size-1={block_size - 1}")
+    if 2 <= self.v_max < self.max_depth + 1:
       problems.append(f"v_max={self.v_max} is too small for branch 0 (root + {self.max_depth} "
                       f"nodes): use v_max >= {self.max_depth + 1}")
     if problems:

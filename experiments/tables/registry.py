@@ -6,8 +6,8 @@ machinery of bench.py; `run_tables` maps the benchmark's flags onto their option
 
 from __future__ import annotations
 
-from experiments.tables import (cache_cost, diagnostic, goodput, long_context, numerics, peers,
-                               serving, sweep, table1, table3, table4, table5, trees)
+from experiments.tables import (cache_cost, diagnostic, floors, goodput, long_context, numerics,
+                               peers, serving, sweep, table1, table3, table4, table5, trees)
 from experiments.tables.bench import Bench
 
 TABLES = {"1": table1.table1, "3": table3.table3, "4": table4.table4, "5": table5.table5,
@@ -15,7 +15,7 @@ TABLES = {"1": table1.table1, "3": table3.table3, "4": table4.table4, "5": table
           "peers": peers.table_peers, "trees": trees.table_trees,
           "goodput": goodput.table_goodput, "long_context": long_context.table_long_context,
           "cache_cost": cache_cost.table_cache_cost, "numerics": numerics.table_numerics,
-          "serving": serving.table_serving}
+          "serving": serving.table_serving, "floors": floors.table_floors}
 
 
 def _options(name: str, kwargs: dict) -> dict:
