@@ -195,7 +195,7 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(models, tmp_path):
          f"--config.target.path={target_dir}", f"--config.drafter.path={drafter_dir}",
          "--config.method=chain", f"--config.max_len={MAX_LEN}",
          f"--config.max_new_tokens={MAX_NEW}", "--config.compilation_cache=off",
-         "--model_name=random"]
+         "--config.drafter.vocab=0", "--model_name=random"]
   env = dict(os.environ, PYTHONPATH=str(REPO))
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

@@ -155,15 +155,28 @@ class Generator:
     # defaults); part of the executables' key
     self.compiler_options = tuple(sorted((compiler_options or {}).items()))
 
-  def spec(self, max_len: int, batch: int = 1) -> Spec:
-    """The run's Spec; costs left unset (auto's, the online budget's) come from the device at
-    this batch size."""
+  def _configured(self, max_len: int, batch: int) -> Spec:
+    """The configured method's Spec, auto's costs (if unset) timed on the device at `batch`."""
     spec = decoding_spec(self.method, self.drafter, self.max_new_tokens, max_len, self.stop_ids,
                          self.block_size, self.cure, self.sampling, self.prefill_chunk,
                          self.drafter_window, self.draft_vocab, self.auto)
     if spec.auto is not None and not spec.auto.costs:
       seconds = cost_curve.costs(self.graphdef, self.params, spec, batch)
       spec = dataclasses.replace(spec, auto=dataclasses.replace(spec.auto, costs=seconds))
+    return spec
+
+  def auto_costs(self, max_len: int, batch: int = 1) -> tuple[float, ...]:
+    """auto's cost curve at `batch`: seconds per iteration at each of auto.budgets, as given
+    or as timed on this device (once, then cached); whichever program the next call runs."""
+    if self.auto is None:
+      raise ValueError(f"method={self.method!r} has no cost curve: only auto has one")
+    return self._configured(max_len, batch).auto.costs
+
+  def spec(self, max_len: int, batch: int = 1) -> Spec:
+    """The run's Spec; costs left unset (auto's, the online budget's) come from the device at
+    this batch size. auto runs the target-only program in a call where drafting cannot pay or
+    no look at the drafter falls due."""
+    spec = self._configured(max_len, batch)
     if spec.auto is not None and spec.auto.fallback and not controller.can_pay(spec.auto):
       if batch not in self._target_only:
         self._target_only.add(batch)
