@@ -57,9 +57,10 @@ def _alone(models, method, requests, temperature=0.0):
   return out
 
 
-def _serve(engine, requests, arrivals):
+def _serve(engine, requests, arrivals, schedule=None):
   """Runs the engine until every request is done; request i is queued before chunk
-  arrivals[i] and enters the first free slot. Returns each request's tokens and slot."""
+  arrivals[i] and enters the first free slot. Returns each request's tokens and slot;
+  `schedule` gets (live requests, rows of the state) for each chunk."""
   tokens = [[] for _ in requests]
   slot_of, owner = {}, {}
   waiting = []
@@ -71,10 +72,13 @@ def _serve(engine, requests, arrivals):
         i = waiting.pop(0)
         tokens[i] = [engine.insert(slot, requests[i])]
         slot_of[i], owner[slot] = slot, i
+    live = len(owner)
     for u in engine.step():
       tokens[owner[u.slot]] += u.tokens
       if u.finished:
         del owner[u.slot]
+    if schedule is not None:
+      schedule.append((live, engine.rows))
     chunk += 1
     assert chunk < 200
   return tokens, slot_of
@@ -129,6 +133,56 @@ def test_bad_requests_are_refused_before_they_run(models):
   with pytest.raises(ValueError, match="empty"):
     engine.check(0, 3)
   assert engine.free_slots() == [0]
+  with pytest.raises(ValueError, match="prefill_chunk=0"):
+    Engine(_generator(models, "ar", MAX_NEW), slots=1, max_len=MAX_LEN, prefill_chunk=0)
+
+
+def _bucket(live: int, slots: int) -> int:
+  """The rule: the smallest of 1, 2, 4, ... (then slots) that holds the live requests."""
+  rows = 1
+  while rows < live:
+    rows *= 2
+  return min(rows, slots)
+
+
+def test_the_chunk_computes_the_rows_the_live_requests_need(models):
+  """8 slots: a lone request runs the one-row program, and each chunk's rows are the
+  smallest bucket holding the live requests as they come and go (rows are moved when the
+  state shrinks); every request still equals decoding it alone."""
+  requests = _requests(8, seed=11)
+  engine = Engine(_generator(models, "chain", MAX_NEW), slots=8, max_len=MAX_LEN, steps=2)
+  schedule = []
+  got, _ = _serve(engine, requests, [0, 2, 2, 3, 3, 3, 3, 12], schedule)
+  assert schedule[0] == (1, 1) and schedule[-1] == (1, 1)
+  assert [rows for _, rows in schedule] == [_bucket(live, 8) for live, _ in schedule]
+  assert {rows for _, rows in schedule} >= {1, 2, 8}
+  assert got == _alone(models, "chain", requests)
+
+
+def test_a_long_prompt_is_prefilled_between_decode_chunks(models):
+  """Prefill steps of 4 tokens, turns of 8: a 19-token prompt arriving beside a running
+  request is prefilled 8, 16, then 19 tokens, one turn before each chunk, and the running
+  request gets new tokens from every chunk meanwhile; both equal decoding alone."""
+  short, long = _requests(2, seed=13)
+  long = Request(tuple(random_models.prompts(1, ARCH.vocab, 1, lo=19, hi=19)[0]), MAX_NEW, 4)
+  short = Request(short.prompt, MAX_NEW, short.seed)
+  assert len(long.prompt) == 19
+  engine = Engine(_generator(models, "ar", MAX_NEW), slots=2, max_len=MAX_LEN, steps=1,
+                  prefill_chunk=4, prefill_turn=8)
+  tokens = {0: [engine.insert(0, short)]}
+  engine.begin(1, long)
+  prefilled, running = [], []
+  while engine.live.any() or engine.filling:
+    for u in engine.fill():
+      tokens[u.slot] = u.tokens
+    if len(prefilled) < 3:
+      prefilled.append(engine.filling[1].prefilled if engine.filling else len(long.prompt))
+    for u in engine.step():
+      tokens[u.slot] += u.tokens
+    running.append(len(tokens[0]))
+  assert prefilled == [8, 16, 19]
+  assert running[0] < running[1] < running[2]
+  assert [tokens[0], tokens[1]] == _alone(models, "ar", [short, long])
 
 
 def test_requests_coming_and_going_compile_nothing_more(models):

@@ -82,46 +82,53 @@ def _is_stop(spec: Spec, tokens):
   return jnp.isin(tokens, jnp.asarray(spec.stop_ids, tokens.dtype))
 
 
-def prefill_chunks(target, drafter, spec: Spec, prompt, prompt_len):
-  """The prompt [B, P] into the target cache (and the drafter's state), spec.prefill_chunk
-  tokens a step; the steps are a loop count, so one compiled program serves every prompt length.
+def prefill_start(target, drafter, spec: Spec, b: int):
+  """The carry of an empty prefill at batch b: (target cache, drafter state, last hidden)."""
+  return (target.init_cache(b, spec.max_len), spec.impl.init_drafter(drafter, spec, b),
+          jnp.zeros((b, target.cfg.hidden_size), target.dtype))
+
+
+def prefill_window(target, drafter, spec: Spec, prompt, prompt_len, carry, start=0, stop=None):
+  """Prompt positions [start, min(stop, prompt_len)) of prompt [B, P] into `carry`
+  (prefill_start's), spec.prefill_chunk tokens a step from `start` (a multiple of the chunk);
+  the steps are a loop count, so one compiled program serves every prompt length and window.
 
   Each chunk attends to the cache so far and causally to itself (kernels/prefix.py): nothing
   [P, P] is built. Rows of different lengths share the steps; a row whose prompt has ended
   takes no more tokens. Returns (target cache, drafter state, final hidden state [B, H] at each
-  row's last prompt token)."""
+  row's last prompt token once the window holds it)."""
   b, p = prompt.shape
   c = min(spec.prefill_chunk, p)
   prompt = jnp.pad(prompt, ((0, 0), (0, -p % c)))                          # [B, chunks * C]
 
   def step(i, carry):
     cache, dcache, last = carry
-    start = i * c
-    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, c, axis=1)       # [B, C]
-    positions = jnp.broadcast_to(start + jnp.arange(c), (b, c))
-    chunk = Prefix(lengths=cache.lengths, count=jnp.clip(prompt_len - start, 0, c))
+    at_chunk = start + i * c
+    tokens = jax.lax.dynamic_slice_in_dim(prompt, at_chunk, c, axis=1)    # [B, C]
+    positions = jnp.broadcast_to(at_chunk + jnp.arange(c), (b, c))
+    chunk = Prefix(lengths=cache.lengths, count=jnp.clip(prompt_len - at_chunk, 0, c))
     out = target(tokens, positions, cache, chunk, spec.feature_layers)
-    at = prompt_len - 1 - start                                            # [B]
+    at = prompt_len - 1 - at_chunk                                         # [B]
     here = jnp.take_along_axis(out.hidden, jnp.clip(at, 0, c - 1)[:, None, None], axis=1)[:, 0]
     last = jnp.where(((at >= 0) & (at < c))[:, None], here, last)
     dcache = spec.impl.prefill_drafter(drafter, dcache, spec, out, tokens, positions, chunk)
     return cache.replace(k=out.k, v=out.v).advance(chunk.count), dcache, last
 
-  init = (target.init_cache(b, spec.max_len), spec.impl.init_drafter(drafter, spec, b),
-          jnp.zeros((b, target.cfg.hidden_size), target.dtype))
-  steps = (jnp.max(prompt_len) + c - 1) // c
-  return jax.lax.fori_loop(0, steps, step, init)
+  end = jnp.max(prompt_len) if stop is None else jnp.minimum(stop, jnp.max(prompt_len))
+  return jax.lax.fori_loop(0, jnp.maximum(end - start + c - 1, 0) // c, step, carry)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def prefill(graphdef, params, prompt, prompt_len, key=None, first_row=0, *, spec: Spec) -> State:
-  """prompt [B, P] right-padded ids, prompt_len [B], a PRNG key (for sampling; default seed 0)
-  and the index of row 0 in the whole request (row b samples from fold_in(key, first_row + b))
-  -> the state before the first iteration."""
-  key = jax.random.key(0) if key is None else key
-  target, drafter = _merge(graphdef, params)
-  b = prompt.shape[0]
-  cache, dcache, last = prefill_chunks(target, drafter, spec, prompt, prompt_len)
+def prefill_chunks(target, drafter, spec: Spec, prompt, prompt_len):
+  """The whole prompt [B, P] into a fresh carry (prefill_window from 0)."""
+  return prefill_window(target, drafter, spec, prompt, prompt_len,
+                        prefill_start(target, drafter, spec, prompt.shape[0]))
+
+
+def start_state(target, spec: Spec, carry, key, first_row=0) -> State:
+  """The state before the first iteration, from a finished prefill's carry: the first token
+  chosen from each row's last hidden state with its row key (fold_in(key, first_row + b))."""
+  cache, dcache, last = carry
+  b = last.shape[0]
   key, sub = sampling.split(sampling.row_keys(key, first_row, b))        # [B] each
   first, _ = choose(spec, sub, target.logits(last))
 
@@ -134,6 +141,17 @@ def prefill(graphdef, params, prompt, prompt_len, key=None, first_row=0, *, spec
                stats=Stats.zeros(b, n, u, spec.block_size),
                budget=budget_lib.init(b) if spec.online else None,
                controller=controller.init(b, spec.auto) if spec.auto else None)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def prefill(graphdef, params, prompt, prompt_len, key=None, first_row=0, *, spec: Spec) -> State:
+  """prompt [B, P] right-padded ids, prompt_len [B], a PRNG key (for sampling; default seed 0)
+  and the index of row 0 in the whole request (row b samples from fold_in(key, first_row + b))
+  -> the state before the first iteration."""
+  key = jax.random.key(0) if key is None else key
+  target, drafter = _merge(graphdef, params)
+  return start_state(target, spec, prefill_chunks(target, drafter, spec, prompt, prompt_len),
+                     key, first_row)
 
 
 def propose(target, drafter, spec: Spec, st: State, want=None):

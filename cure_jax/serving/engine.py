@@ -1,17 +1,26 @@
 """Slots over the compiled loop: requests come and go while one decode state runs.
 
-JetStream's shape on `decoding.iteration`: the state holds S slots, each a row of the batch
-with its own caches, position, drafter state, produced count and token limit. `insert` prefills
-one request (in chunks, `decoding.prefill` at batch 1) and writes its row into a free slot;
-`step` runs one compiled chunk of up to `steps` iterations for every live slot inside one
-`lax.while_loop` (a free or finished slot is a done row: masked, as in offline decoding) and
-returns each slot's new tokens; `cancel` ends a slot. The host syncs once per chunk.
+JetStream's shape on `decoding.iteration`: each of S slots is a request with its own caches,
+position, drafter state, produced count and token limit, held in a row of the decode state.
+`begin` queues a request's prefill, `fill` runs one prefill turn (up to `prefill_turn` prompt
+tokens in chunks of `prefill_chunk`, given to the waiting prompts in the order they began) and
+writes each prompt that completes into a free row; `step` runs one compiled chunk of up to
+`steps` iterations for every row inside one `lax.while_loop` (a free or finished row is a done
+row: masked, as in offline decoding) and returns each slot's new tokens; `cancel` ends a slot.
+The host syncs once per chunk, and a long prompt stalls the running requests for one turn at a
+time, never for its whole prefill.
 
-Every program is compiled once, when the engine is built, for its (Spec, slots, cache length):
-a request's prompt is padded to the cache length, its token limit and key are row values.
+Live requests are kept in the lowest rows, and the decode state holds only as many rows as the
+smallest bucket (1, 2, 4, ..., S) that fits them: the state grows by a bucket when a request
+finds no free row and shrinks by one when the live rows fit the bucket below (moving rows), so
+a lone request pays for one row, not S. Every program is compiled once, when the engine is
+built, for its (Spec, rows, cache length) per bucket: a request's prompt is padded to the cache
+length, its token limit and key are row values.
+
 A request's random numbers come from its own seed (the row key of `Generator.generate` for a
-prompt decoded alone), never from its slot; with numerics=invariant a row's logits do not
-depend on the rows beside it, so its tokens are those of decoding it alone at batch 1.
+prompt decoded alone), never from its slot or row; with numerics=invariant a row's logits do
+not depend on the rows beside it or on the batch size, so its tokens are those of decoding it
+alone at batch 1.
 """
 
 from __future__ import annotations
@@ -24,6 +33,18 @@ import numpy as np
 
 from cure_jax.runtime import decoding
 from cure_jax.runtime.generation import Generator
+from cure_jax.serving import programs
+
+# Prefill here, measured on the embedded default (2-core CPU, float32, cache 1,024, 2026-12-07):
+# a 155-token prompt took 605 ms in one chunk of 512 (the offline CPU default), 205 in 256,
+# 219 in 128, 185 in 64, 183 in 32. A turn of 256 tokens holds most chat prompts whole.
+PREFILL_CHUNK = 64
+PREFILL_TURN = 256
+
+
+def buckets(slots: int) -> list[int]:
+  """Row counts the engine compiles for: powers of two below `slots`, then `slots`."""
+  return [1 << i for i in range((slots - 1).bit_length()) if 1 << i < slots] + [slots]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,88 +69,141 @@ class Update:
   budgets: list[int]          # node budget auto chose per iteration (0: no controller)
 
 
-def _place(state: decoding.State, row: decoding.State, slot, limit) -> decoding.State:
-  """state with row (a batch-1 state) written into `slot`, its token limit set."""
-  row = row.replace(limit=jnp.reshape(limit, (1,)), done=row.done | (limit <= 1))
-  return jax.tree.map(lambda big, one: big.at[slot].set(one[0]) if big.ndim else big,
-                      state, row)
+@dataclasses.dataclass
+class Fill:
+  """A prompt being prefilled: its carry (decoding.prefill_start's) and how far it has got."""
 
-
-def _cancel(state: decoding.State, slot) -> decoding.State:
-  return state.replace(done=state.done.at[slot].set(True))
-
-
-def _chunk(graphdef, params, state: decoding.State, *, spec, steps: int) -> decoding.State:
-  """Up to `steps` iterations for every live slot; the step counter restarts per chunk, so the
-  per-iteration records of this chunk sit in columns 0.. of the state's stats."""
-  target, drafter = decoding._merge(graphdef, params)
-  if spec.draft_vocab:
-    drafter.hold_head_rows(target, spec.draft_vocab)
-  state = state.replace(step=jnp.zeros((), jnp.int32))
-  return jax.lax.while_loop(lambda st: jnp.any(~st.done) & (st.step < steps),
-                            lambda st: decoding.iteration(target, drafter, spec, st), state)
+  request: Request
+  carry: tuple
+  prompt: jax.Array        # [1, max_len]
+  length: jax.Array        # [1]
+  prefilled: int = 0       # prompt tokens in the carry
 
 
 class Engine:
   """S slots decoding with one Generator's method, models and settings; max_len: the cache
   length every slot has (prompt + max_tokens - 1 must fit), steps: iterations per chunk (the
-  host's turn comes once per chunk: time to first token against dispatch overhead)."""
+  host's turn comes once per chunk: time to first token against dispatch overhead),
+  prefill_chunk: prompt tokens per prefill step, prefill_turn: prompt tokens prefilled between
+  two chunks (rounded down to whole prefill steps, at least one)."""
 
-  def __init__(self, generator: Generator, slots: int, max_len: int, steps: int = 8):
+  def __init__(self, generator: Generator, slots: int, max_len: int, steps: int = 8,
+               prefill_chunk: int = PREFILL_CHUNK, prefill_turn: int = PREFILL_TURN):
     if slots < 1:
       raise ValueError(f"slots={slots} must be >= 1 (requests decoded at once)")
     if steps < 1:
       raise ValueError(f"steps={steps} must be >= 1 (iterations per chunk)")
+    if prefill_chunk < 1 or prefill_turn < 1:
+      raise ValueError(f"prefill_chunk={prefill_chunk} and prefill_turn={prefill_turn} must be "
+                       ">= 1 (prompt tokens per prefill step and per turn between chunks)")
     if generator.mesh is not None:
       raise ValueError("the serving engine runs on one device: set mesh.data=1 and mesh.model=1")
     self.generator, self.slots, self.max_len = generator, slots, max_len
     self.max_tokens = generator.max_new_tokens
     self.steps = min(steps, self.max_tokens)
+    chunk = min(prefill_chunk, max_len)
+    self.turn = max(prefill_turn // chunk, 1) * chunk
     generator.check_memory(slots, max_len, max_len)
-    self.spec = generator.spec(max_len, slots)
+    self.spec = dataclasses.replace(generator.spec(max_len, slots), prefill_chunk=chunk)
+    self.buckets = buckets(slots)
     self._compile()
-    self.state = self._tile(self._prefill(Request((0,), 1)), slots)
+    self.rows = self.buckets[0]                   # rows of the decode state
+    self.state = self._tile(self._prefill(Request((0,), 1)), self.rows)
+    self._row = np.full(slots, -1, np.int64)      # each slot's row (-1: none)
     self._seen = np.zeros(slots, np.int64)        # tokens of each slot already returned
     self._iterations = np.zeros(slots, np.int64)  # iterations of each slot already returned
     self.live = np.zeros(slots, bool)
+    self.filling: dict[int, Fill] = {}            # slot -> its prompt's prefill, in order
 
   # --- compiled once ------------------------------------------------------------------------
 
   def _compile(self):
-    g = self.generator
-    platform = jax.default_backend()
-    options = decoding.platform_options(platform, dict(g.compiler_options))
-    prompt = jax.ShapeDtypeStruct((1, self.max_len), jnp.int32)
-    plen = jax.ShapeDtypeStruct((1,), jnp.int32)
-    rng = jax.eval_shape(jax.random.key, 0)
-    first = jax.ShapeDtypeStruct((), jnp.int32)
-    self._pre = decoding.compile_with(decoding.prefill.lower(
-        g.graphdef, g.params, prompt, plen, rng, first, spec=self.spec), options)
-    row = jax.eval_shape(lambda p, n, k, f: decoding.prefill(g.graphdef, g.params, p, n, k, f,
-                                                             spec=self.spec),
-                         prompt, plen, rng, first)
-    state = jax.eval_shape(lambda r: self._tile(r, self.slots), row)
-    slot = jax.ShapeDtypeStruct((), jnp.int32)
-    chunk = jax.jit(_chunk, donate_argnums=2, static_argnames=("graphdef", "spec", "steps"))
-    self._run = decoding.compile_with(chunk.lower(g.graphdef, g.params, state, spec=self.spec,
-                                                  steps=self.steps), options)
-    self._put = jax.jit(_place, donate_argnums=0).lower(state, row, slot, slot).compile()
-    self._end = jax.jit(_cancel, donate_argnums=0).lower(state, slot).compile()
+    g, spec = self.generator, self.spec
+    options = decoding.platform_options(jax.default_backend(), dict(g.compiler_options))
+    lower = lambda fn, *args, **kw: decoding.compile_with(   # noqa: E731
+        fn.lower(g.graphdef, g.params, *args, spec=spec, **kw), options)
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    key = jax.eval_shape(jax.random.key, 0)
+    carry = jax.eval_shape(lambda p: programs.open_fill(g.graphdef, p, spec=spec), g.params)
+    row = jax.eval_shape(lambda p, c, k: programs.first(g.graphdef, p, c[:2], c[2], k,
+                                                        spec=spec), g.params, carry, key)
+    self._open = lower(programs.open_fill)
+    self._fill = lower(programs.fill, carry, jax.ShapeDtypeStruct((1, self.max_len), jnp.int32),
+                       jax.ShapeDtypeStruct((1,), jnp.int32), i32, i32)
+    self._first = lower(programs.first, carry[:2], carry[2], key)
+    states = {b: jax.eval_shape(lambda r, b=b: self._tile(r, b), row) for b in self.buckets}
+    self._run, self._put, self._end, self._take = {}, {}, {}, {}
+    for b, state in states.items():
+      self._run[b] = lower(programs.chunk, state, steps=self.steps)
+      self._put[b] = jax.jit(programs.place, donate_argnums=0).lower(state, row, i32,
+                                                                     i32).compile()
+      self._end[b] = jax.jit(programs.cancel, donate_argnums=0).lower(state, i32).compile()
+    for a, b in zip(self.buckets, self.buckets[1:]):   # grow a -> b, shrink b -> a
+      for src, dst in ((a, b), (b, a)):
+        rows = jax.ShapeDtypeStruct((dst,), jnp.int32), jax.ShapeDtypeStruct((dst,), bool)
+        self._take[src, dst] = jax.jit(programs.take).lower(states[src], *rows).compile()
 
   @staticmethod
-  def _tile(row: decoding.State, slots: int) -> decoding.State:
-    """slots copies of a batch-1 state, every one done (free)."""
-    index = jnp.zeros((slots,), jnp.int32)
+  def _tile(row: decoding.State, rows: int) -> decoding.State:
+    """rows copies of a batch-1 state, every one done (free)."""
+    index = jnp.zeros((rows,), jnp.int32)
     state = jax.tree.map(lambda x: x[index] if x.ndim else x, row)
-    return state.replace(done=jnp.ones((slots,), bool),
-                         limit=jnp.ones((slots,), jnp.int32))
+    return state.replace(done=jnp.ones((rows,), bool), limit=jnp.ones((rows,), jnp.int32))
 
   def _prefill(self, request: Request) -> decoding.State:
-    g = self.generator
+    """request's whole prompt prefilled at once: its batch-1 state."""
+    fill = self._open_fill(request)
+    fill.carry = self._fill(self.generator.params, fill.carry, fill.prompt, fill.length,
+                            np.int32(0), np.int32(len(request.prompt)))
+    return self._start(fill)
+
+  def _start(self, fill: Fill) -> decoding.State:
+    """A completed prefill's batch-1 state (its first token chosen with the request's key)."""
+    return self._first(self.generator.params, fill.carry[:2], fill.carry[2],
+                       jax.random.key(fill.request.seed))
+
+  def _open_fill(self, request: Request) -> Fill:
     prompt = np.zeros((1, self.max_len), np.int32)
     prompt[0, :len(request.prompt)] = request.prompt
-    return self._pre(g.params, jnp.asarray(prompt), jnp.asarray([len(request.prompt)], jnp.int32),
-                     jax.random.key(request.seed), np.int32(0))
+    return Fill(request, self._open(self.generator.params), jnp.asarray(prompt),
+                jnp.asarray([len(request.prompt)], jnp.int32))
+
+  # --- rows ---------------------------------------------------------------------------------
+
+  def _resize(self, rows: int) -> None:
+    """The state at `rows` rows (the next bucket up or down), live rows first, in order."""
+    slots = sorted(np.flatnonzero(self._row >= 0), key=lambda s: self._row[s])
+    keep = [int(self._row[s]) for s in slots]
+    index = (keep + [r for r in range(self.rows) if r not in keep] + [0] * rows)[:rows]
+    free = np.arange(rows) >= len(keep)
+    self.state = self._take[self.rows, rows](self.state, np.asarray(index, np.int32), free)
+    self._row[slots] = np.arange(len(slots))
+    self.rows = rows
+
+  def _free_row(self) -> int:
+    """The lowest row no request holds, the state grown by a bucket if every row is held."""
+    held = set(self._row[self._row >= 0].tolist())
+    free = [r for r in range(self.rows) if r not in held]
+    if free:
+      return free[0]
+    self._resize(self.buckets[self.buckets.index(self.rows) + 1])
+    return self._free_row()
+
+  def _fit(self) -> None:
+    """Shrinks the state while its live rows fit the bucket below."""
+    at = self.buckets.index(self.rows)
+    while at and np.count_nonzero(self._row >= 0) <= self.buckets[at - 1]:
+      at -= 1
+      self._resize(self.buckets[at])
+
+  def _place(self, slot: int, row: decoding.State, max_tokens: int) -> int:
+    """Writes a prefilled batch-1 state into a free row for `slot`; returns its first token."""
+    first = int(row.anchor[0])
+    at = self._free_row()
+    self.state = self._put[self.rows](self.state, row, np.int32(at), np.int32(max_tokens))
+    self._row[slot], self._seen[slot], self._iterations[slot] = at, 1, 0
+    self.live[slot] = True
+    return first
 
   # --- the host's side ----------------------------------------------------------------------
 
@@ -149,31 +223,55 @@ class Engine:
                        f"{max(self.max_len - prompt_len + 1, 0)}")
 
   def free_slots(self) -> list[int]:
-    return [int(i) for i in np.flatnonzero(~self.live)]
+    return [s for s in range(self.slots) if not self.live[s] and s not in self.filling]
 
-  def insert(self, slot: int, request: Request) -> int:
-    """Prefills `request` into the free `slot`; returns its first token (the prefill's), so
-    that it reaches the client before the next chunk has run."""
-    if self.live[slot]:
+  def _admissible(self, slot: int, request: Request) -> None:
+    if self.live[slot] or slot in self.filling:
       raise ValueError(f"slot {slot} is busy")
     self.check(len(request.prompt), request.max_tokens)
-    row = self._prefill(request)
-    first = int(row.anchor[0])
-    self.state = self._put(self.state, row, np.int32(slot), np.int32(request.max_tokens))
-    self._seen[slot], self._iterations[slot] = 1, 0
-    self.live[slot] = True
-    return first
+
+  def begin(self, slot: int, request: Request) -> None:
+    """Queues `request`'s prefill for the free `slot`; `fill` runs it."""
+    self._admissible(slot, request)
+    self.filling[slot] = self._open_fill(request)
+
+  def fill(self) -> list[Update]:
+    """One prefill turn: up to `turn` prompt tokens to the queued prefills in the order they
+    began. Each prompt that completes takes a row; its Update holds its first token, so that
+    it reaches the client before the next chunk has run."""
+    budget, updates = self.turn, []
+    for slot, f in list(self.filling.items()):
+      if budget <= 0:
+        break
+      stop = min(f.prefilled + budget, len(f.request.prompt))
+      f.carry = self._fill(self.generator.params, f.carry, f.prompt, f.length,
+                           np.int32(f.prefilled), np.int32(stop))
+      budget -= -(-(stop - f.prefilled) // self.spec.prefill_chunk) * self.spec.prefill_chunk
+      f.prefilled = stop
+      if stop == len(f.request.prompt):
+        del self.filling[slot]
+        first = self._place(slot, self._start(f), f.request.max_tokens)
+        updates.append(Update(slot, [first], False, [], [], [], []))
+    return updates
+
+  def insert(self, slot: int, request: Request) -> int:
+    """Prefills `request` into the free `slot` at once; returns its first token."""
+    self._admissible(slot, request)
+    return self._place(slot, self._prefill(request), request.max_tokens)
 
   def cancel(self, slot: int) -> None:
-    """Ends the request in `slot`; the slot is free for the next insert."""
-    self.state = self._end(self.state, np.int32(slot))
+    """Ends the request in `slot` (prefilling or decoding); the slot is free for the next."""
+    if self.filling.pop(slot, None) is None and self.live[slot]:
+      self.state = self._end[self.rows](self.state, np.int32(self._row[slot]))
+      self._row[slot] = -1
     self.live[slot] = False
 
   def step(self) -> list[Update]:
     """One chunk (after which the host reads the results once); an Update per live slot with
     its tokens after the first. Finished slots become free."""
+    self._fit()
     if self.live.any():
-      self.state = self._run(self.generator.params, self.state)
+      self.state = self._run[self.rows](self.generator.params, self.state)
     st = self.state
     tokens, produced, done, iterations, stats = jax.device_get(
         (st.tokens, st.produced, st.done, st.iterations,
@@ -181,11 +279,14 @@ class Engine:
           st.stats.budget)))
     updates = []
     for slot in np.flatnonzero(self.live):
-      n = int(produced[slot])
-      new = int(iterations[slot] - self._iterations[slot])
-      rows = [s[slot, :new].tolist() for s in stats]
-      updates.append(Update(int(slot), tokens[slot, self._seen[slot]:n].tolist(),
-                            bool(done[slot]), *rows))
-      self._seen[slot], self._iterations[slot] = n, iterations[slot]
-      self.live[slot] = not done[slot]
+      r = self._row[slot]
+      n = int(produced[r])
+      new = int(iterations[r] - self._iterations[slot])
+      rows = [s[r, :new].tolist() for s in stats]
+      updates.append(Update(int(slot), tokens[r, self._seen[slot]:n].tolist(), bool(done[r]),
+                            *rows))
+      self._seen[slot], self._iterations[slot] = n, iterations[r]
+      self.live[slot] = not done[r]
+      if done[r]:
+        self._row[slot] = -1
     return updates

@@ -1,5 +1,6 @@
 """The engine's thread: between chunks it retires ended requests, frees the slots of cancelled
-ones, inserts waiting ones into free slots, and hands each request its new tokens.
+ones, gives waiting ones free slots and a turn of prefill, and hands each request its new
+tokens.
 
 Requests live on the server's event loop; the engine runs on this thread (a chunk holds the
 GIL only between XLA calls). A request's tokens reach it through its own asyncio queue, so no
@@ -121,8 +122,9 @@ class Scheduler:
     self.metrics.waiting.labels(self.metrics.model).set(len(self.waiting))
 
   def _admit(self) -> None:
-    """Waiting requests into free slots; each prefill runs outside the lock, so that new
-    requests are queued (or refused) meanwhile, and its first token goes out at once."""
+    """Waiting requests into free slots, then one prefill turn outside the lock (so that new
+    requests are queued, or refused, meanwhile); a prompt that completes sends its first
+    token at once."""
     m = self.metrics
     for slot in self.engine.free_slots():
       with self.lock:
@@ -133,9 +135,10 @@ class Scheduler:
         self.owner[slot] = ticket
         m.waiting.labels(m.model).set(len(self.waiting))
         m.running.labels(m.model).set(len(self.owner))
-      first = self.engine.insert(slot, ticket.request)
+      self.engine.begin(slot, ticket.request)
       m.prompt_tokens.labels(m.model).inc(len(ticket.request.prompt))
-      self._deliver(Update(slot, [first], False, [], [], [], []))
+    for update in self.engine.fill():
+      self._deliver(update)
 
   def _deliver(self, u: Update) -> None:
     m = self.metrics
