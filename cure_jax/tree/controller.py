@@ -24,9 +24,10 @@ tokens per second over plain steps', at the curve's costs); while it is below 1 
 drafts before the next look. The means extrapolate (the looks verify the smallest budget, the
 means may pick a larger one) and pick drafting after a lucky look, so drafting chosen on merit
 can lose iteration after iteration while the prediction still says it pays (a winner's curse);
-what it realised says so first. Where drafts never pay they soon stop costing anything; the spacing and the next
-look's step carry over to the next call (Generator), which runs the target-only program when no
-look falls inside it (a call's means start unseen, so only a look starts drafting).
+what it realised says so first. Where drafts never pay they soon stop costing anything; the
+spacing and the next look's step carry over to the next call (Generator), which runs the
+target-only program when no look falls inside it (a call's means start unseen, so only a look
+starts drafting).
 Everything is loop state: no host round-trip. The budget only cuts a tree to its first n nodes,
 which best-first trees keep closed under parents, so any choice is lossless.
 """
