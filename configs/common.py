@@ -64,7 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.output = ""                # JSON path; empty: print text and a summary line
   config.check_ar = False           # also decode target-only and report token equality
   config.warmup = True              # decode the first batch once, untimed, before the timed
-                                    # pass: TPOT of a warm program (a first run pays page faults)
+                                    # pass: TPOT of a warm program (a first run pays page faults);
+                                    # auto: until its looks settle (at most 4 calls, decode.py)
   config.compilation_cache = ""     # JAX persistent compilation cache folder; "" = the cure_jax
                                     # cache folder's xla/ ($CURE_JAX_CACHE), "off" = no cache
   config.compiler_options = ""      # XLA options for the decoding programs, "name=value,...",

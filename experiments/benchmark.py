@@ -55,6 +55,8 @@ _TREES_BUDGETS = flags.DEFINE_multi_integer("trees_budgets", [16, 32, 64],
                                            "trees: node budgets v_max to compare")
 _GOODPUT_BATCHES = flags.DEFINE_multi_integer("goodput_batches", [1, 4, 16],
                                              "goodput: batch sizes, one sweep each")
+_GOODPUT_ROUNDS = flags.DEFINE_integer("goodput_rounds", 3, "goodput: timed rounds per batch size "
+                                       "(medians reported)")
 _GOODPUT_METHODS = flags.DEFINE_list("goodput_methods", [], "goodput: only these variants "
                                      "(labels, e.g. 'ar,auto,ddtree v16'; default: all)")
 _LONG_CONTEXTS = flags.DEFINE_multi_integer("long_contexts", None, "long_context: context "
@@ -120,6 +122,7 @@ def main(argv):
                     table4_ablations=_TABLE4_ABLATIONS.value, trees_budgets=_TREES_BUDGETS.value,
                     goodput_batches=_GOODPUT_BATCHES.value,
                     goodput_methods=_GOODPUT_METHODS.value,
+                    goodput_rounds=_GOODPUT_ROUNDS.value,
                     long_contexts=_LONG_CONTEXTS.value, long_windows=_LONG_WINDOWS.value,
                     **{f"serving_{k}": f.value for k, f in _SERVING.items()})
   print(f"results in {Path(_RESULTS.value).resolve()}")

@@ -20,6 +20,7 @@ from cure_jax.costs import roofline
 # "2026-12-03 — GPU work in part")
 GPU_COUNTS = Path(__file__).resolve().parents[1] / "results" / "aot_gpu" / "h100_b1.json"
 
+WARMUP_CALLS = 4   # auto: untimed calls at most before the timed ones
 _CONFIG = errors.config_flag("configs/smollm2_135m.py", "ml_collections config file")
 
 
@@ -31,9 +32,14 @@ def main(argv):
 
 
 def _timed(generator, ids, config, batch_size: int):
-  """Every batch decoded, after an untimed decode of the first one (config.warmup)."""
-  if config.warmup:
+  """Every batch decoded, after untimed decodes of the first one (config.warmup): one, and for
+  auto more until its next call would run the target-only program, at most WARMUP_CALLS: the
+  timed calls then show what a process that has decoded a few calls gets, not the looks at the
+  drafter that the first calls take and the back-off then spaces out (controller.py)."""
+  for _ in range(WARMUP_CALLS if config.warmup else 0):
     generator.generate(ids[:batch_size])
+    if generator.auto is None or generator.next_spec(ids[:batch_size]).method == "ar":
+      break
   return pipeline.decode_all(generator, ids, batch_size)
 
 

@@ -86,9 +86,11 @@ def test_looks_that_do_not_pay_space_out_across_calls(pair):
   want = Generator(target, None, method="ar", max_new_tokens=16).generate(prompts)
   looks = []
   for _ in range(4):
+    program = gen.next_spec(prompts).method    # what the call will run, asked beforehand
     got = gen.generate(prompts)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     looks.append([t for t, s in enumerate(got[0].stats) if s["budget"] > 1])
+    assert (program == "ar") == (looks[-1] == [])
     for t in looks[-1]:   # the batch's tokens at a look: fewer than 2.9 plain steps' worth
       assert sum(r.stats[t]["accept_lengths"] for r in got) < 2.9 * len(got)
     assert all(s["budget"] == (0 if looks[-1] == [] else 1)

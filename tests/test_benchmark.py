@@ -307,16 +307,20 @@ def test_goodput_table(bench):
   bench.config.auto.explore_every = 4            # looks that fit a 16-token run
   bench.config.auto.explore_overhead = 1.0
   try:
-    table_goodput(bench, batch_sizes=(2,), variants=variants)
+    table_goodput(bench, batch_sizes=(2,), variants=variants, rounds=2)
   finally:
     bench.config.auto.costs = ""
     bench.config.auto.explore_every, bench.config.auto.explore_overhead = 16, 0.02
   g = _load(bench, "goodput")
   rows = {r["method"]: r for r in g["rows"]}
   assert set(rows) == set(labels)
-  for r in rows.values():
-    assert r["mismatches_vs_ar"] == 0 and r["batch"] == 2
-    assert r["vs_ar"] == pytest.approx(rows["ar"]["tpot_ms"] / r["tpot_ms"])
+  for r in rows.values():   # two timed rounds: medians of each round's figures
+    assert r["mismatches_vs_ar"] == 0 and r["batch"] == 2 and len(r["rounds_tpot_ms"]) == 2
+    ratios = [a / t for a, t in zip(rows["ar"]["rounds_tpot_ms"], r["rounds_tpot_ms"])]
+    assert r["rounds_vs_ar"] == pytest.approx(ratios)
+    assert r["vs_ar"] == pytest.approx(sum(ratios) / 2)
+    assert r["tpot_ms"] == pytest.approx(sum(r["rounds_tpot_ms"]) / 2)
+  assert rows["ar"]["rounds_vs_ar"] == [1.0, 1.0]
   auto = rows["auto"]
   # one budget per iteration of a controlled call; a call no look falls inside (here the second,
   # after a look that did not pay) runs target-only and chooses none

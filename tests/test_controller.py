@@ -13,7 +13,7 @@ BUDGETS = (1, 3, 5, 9)
 
 
 def _py_choose(mass, observed, predicted, active, costs, budgets, step, explore_every,
-               overhead=0.02, horizon=10 ** 9, next_look=None):
+               overhead=0.02, horizon=10 ** 9, next_look=None, pay=1.0):
   rates = []
   for a in range(len(budgets)):
     total = 0.0
@@ -28,6 +28,8 @@ def _py_choose(mass, observed, predicted, active, costs, budgets, step, explore_
   if budgets[best] == 1 and step >= next_look and budgets[-1] > 1 and \
       horizon - step >= interval:
     best = next(a for a, n in enumerate(budgets) if n > 1)
+  elif budgets[0] == 1 and pay < 1 and step < next_look:
+    best = 0   # drafting realised less than plain steps: plain until the next look
   return best, sorted(rates)
 
 
@@ -44,7 +46,8 @@ def _state(rng, batch, next_look=0):
                                                      (rng.random(batch) > 0.2), jnp.float32),
                                seen=jnp.asarray(rng.random(batch) > 0.3),
                                interval=jnp.asarray(int(rng.integers(1, 300)), jnp.int32),
-                               next_look=jnp.asarray(next_look, jnp.int32))
+                               next_look=jnp.asarray(next_look, jnp.int32),
+                               pay=jnp.asarray(rng.uniform(0.5, 1.5), jnp.float32))
 
 
 def test_choice_equals_the_plain_python_rule():
@@ -63,7 +66,7 @@ def test_choice_equals_the_plain_python_rule():
     ctrl = ctrl.replace(next_look=jnp.asarray(next_look, jnp.int32))
     want, rates = _py_choose(np.asarray(ctrl.mass, np.float64), np.asarray(ctrl.observed),
                              np.asarray(ctrl.predicted), active, costs, BUDGETS, step, 3, 0.05,
-                             horizon, next_look)
+                             horizon, next_look, float(ctrl.pay))
     if len(rates) > 1 and rates[-1] - rates[-2] < 1e-4 * rates[-1]:
       continue  # a near-tie: float32 may order it either way
     got = int(controller.choose(ctrl, cfg, jnp.asarray(active), step, horizon))
@@ -92,12 +95,16 @@ def test_masses_and_update_equal_the_plain_python_rule():
     new = controller.update(ctrl, cfg, arm, jnp.asarray(active), mass, jnp.asarray(accepted),
                             step)
     drafted_any = BUDGETS[arm] > 1 and active.any()
-    pays = sum(1 + accepted[b] for b in range(batch) if active[b]) * cfg.costs[0] >= \
-        active.sum() * cfg.costs[arm]
+    ratio = (sum(1 + accepted[b] for b in range(batch) if active[b]) * cfg.costs[0] /
+             (max(active.sum(), 1) * cfg.costs[arm]))
+    pays = ratio >= 1
     interval = ((cfg.explore_interval if pays else 2 * int(ctrl.interval)) if drafted_any
                 else int(ctrl.interval))
     assert int(new.interval) == interval
     assert int(new.next_look) == (step + interval if drafted_any else int(ctrl.next_look))
+    kept = 0.75 if ctrl.seen.any() else 0.0
+    assert float(new.pay) == pytest.approx(kept * float(ctrl.pay) + (1 - kept) * ratio
+                                           if drafted_any else float(ctrl.pay), rel=1e-5)
     for b in range(batch):
       drafted = active[b] and BUDGETS[arm] > 1
       a = 0.75 if ctrl.seen[b] else 0.0
@@ -168,6 +175,68 @@ def test_looks_back_off_while_they_fail_to_pay(pays):
   assert looks == _py_looks(pays, base, 2000)
   if not any(pays(i) for i in range(len(looks))):
     assert looks == [0, 40, 120, 280, 600, 1240]
+
+
+def _py_run(draws, mass, costs, budgets, base, decay):
+  """The budgets a batch-1 run takes in the plain-Python rule, choice and update together:
+  draws[t] the drafts the target would accept at step t (at most n - 1 of n nodes), mass the
+  drafter's m(n) each iteration. Returns the budget index per step and the steps at which the
+  means chose drafting and the realised pay held it back."""
+  means, obs, pred, seen, interval, next_look, pay, out, held = [0.0] * len(budgets), 0.0, 0.0, \
+      False, base, 0, 1.0, [], []
+  for step, draw in enumerate(draws):
+    c = obs / pred if pred > 0 else 1.0
+    rates = [(1.0 + c * means[a]) / costs[a] for a in range(len(budgets))]
+    arm = max(range(len(rates)), key=lambda a: (rates[a], -a))
+    due = step >= next_look
+    if budgets[arm] == 1 and due:
+      arm = 1                                    # a look (the horizon is far)
+    elif pay < 1 and not due:
+      held += [step] if budgets[arm] > 1 else []
+      arm = 0                                    # drafting realised a loss: wait for a look
+    out.append(arm)
+    if budgets[arm] == 1:
+      continue
+    accepted = min(draw, budgets[arm] - 1)
+    a = decay if seen else 0.0
+    ratio = (1 + accepted) * costs[0] / costs[arm]
+    means = [a * old + (1 - a) * x for old, x in zip(means, mass)]
+    obs, pred, pay = a * obs + (1 - a) * accepted, a * pred + (1 - a) * mass[arm], \
+        a * pay + (1 - a) * ratio
+    seen = True
+    interval = base if ratio >= 1 else min(2 * interval, controller.LONGEST)
+    next_look = step + interval
+  return out, held
+
+
+@pytest.mark.parametrize("p, mass", [([0.55, 0.25, 0.12, 0.08], [0.0, 0.5, 2.5, 3.0]),
+                                     ([0.15, 0.15, 0.2, 0.5], [0.0, 0.8, 2.0, 3.5])],
+                         ids=["overpredicted", "drafting_pays"])
+def test_drafting_waits_for_a_look_while_it_realises_a_loss(p, mass):
+  """A drafter whose own prediction may promise more of the larger budgets than the target
+  accepts: the loop's budgets over 600 steps equal the plain-Python rule's, in which drafting
+  chosen on merit stops, until the next look, once the running mean of what drafted iterations
+  realised (tokens per second over plain steps') is below 1."""
+  costs = (1.0, 1.3, 1.7, 2.3)
+  rng = np.random.default_rng(3)
+  draws = [int(x) for x in rng.choice(4, 600, p=p)]
+  cfg = controller.Settings(budgets=BUDGETS, costs=costs, decay=0.8, explore_every=4,
+                            explore_overhead=0.05)
+  ctrl = controller.init(1, cfg)
+  active = jnp.ones((1,), bool)
+  got = []
+  for step, draw in enumerate(draws):
+    arm = int(controller.choose(ctrl, cfg, active, step, 10 ** 6))
+    got.append(arm)
+    if BUDGETS[arm] > 1:
+      accepted = min(draw, BUDGETS[arm] - 1)
+      ctrl = controller.update(ctrl, cfg, arm, active, jnp.asarray([mass], jnp.float32),
+                               jnp.asarray([accepted], jnp.float32), step)
+  want, held = _py_run(draws, mass, costs, BUDGETS, cfg.explore_interval, 0.8)
+  assert got == want
+  merit = [t for t in range(1, 600) if BUDGETS[got[t]] > 1 and BUDGETS[got[t - 1]] > 1]
+  assert merit                           # the means chose drafting right after a draft
+  assert held                            # and held it back after stretches that lost
 
 
 @pytest.mark.parametrize("bad, match", [

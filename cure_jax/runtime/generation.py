@@ -199,6 +199,14 @@ class Generator:
           cost_verify_per_node=c[3]))
     return spec
 
+  def next_spec(self, prompts: list[list[int]]) -> Spec:
+    """The Spec the next `generate(prompts)` runs (auto: the target-only program's when no look
+    at the drafter falls inside it)."""
+    count = len(prompts)
+    if self.mesh is not None:   # generate pads the batch to a multiple of mesh.data
+      count += -count % sharding.batch_multiple(self.mesh)
+    return self.spec(self.cache_len(max(len(p) for p in prompts)), count)
+
   def _next_look(self, spec: Spec, batch: int) -> int:
     """The step of the first look at the drafter in the next call at `batch`."""
     return self._looks.get(batch, (spec.auto.explore_interval, 0))[1]

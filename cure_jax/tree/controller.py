@@ -18,9 +18,16 @@ take one drafts with the smallest drafting budget instead (the cheapest look at 
 start `explore_every` iterations apart, or further where drafting costs so much more than a plain
 step that looking more often would cost over `explore_overhead` of the plain steps' time; each
 drafted iteration that fails to pay (fewer tokens per second than plain steps would have given,
-at the curve's costs) doubles the spacing, one that pays restores it. Where looks never pay they
-soon stop costing anything; the spacing and the next look's step carry over to the next call
-(Generator), which runs the target-only program when no look falls inside it.
+at the curve's costs) doubles the spacing, one that pays restores it. Drafting chosen on merit
+also answers to what drafting realised: a running mean of the drafted iterations' pay (their
+tokens per second over plain steps', at the curve's costs); while it is below 1 no iteration
+drafts before the next look. The means extrapolate (the looks verify the smallest budget, the
+means may pick a larger one) and pick drafting after a lucky look, so drafting chosen on merit
+can lose iteration after iteration while the prediction still says it pays (a winner's curse);
+what it realised says so first. Where drafts never pay they soon stop costing anything; the
+spacing and the next look's step carry over to the next call (Generator), which runs the
+target-only program when no look falls inside it (a call's means start unseen, so only a look
+starts drafting).
 Everything is loop state: no host round-trip. The budget only cuts a tree to its first n nodes,
 which best-first trees keep closed under parents, so any choice is lossless.
 """
@@ -88,6 +95,7 @@ class Controller:
   seen: jax.Array       # [B] a drafting iteration has been observed
   interval: jax.Array   # [] iterations from a drafted iteration to the next look
   next_look: jax.Array  # [] the step of the next look while plain steps win
+  pay: jax.Array        # [] running mean of drafted iterations' pay (paid: ratio to plain steps)
 
 
 # the longest spacing of looks (iterations): doubling stops here, far past any run's length
@@ -101,7 +109,7 @@ def init(batch: int, cfg: Settings, interval=None, next_look=0) -> Controller:
   interval = cfg.explore_interval if interval is None else interval
   return Controller(mass=jnp.zeros((batch, len(cfg.budgets))), observed=z, predicted=z,
                     seen=jnp.zeros((batch,), bool), interval=jnp.asarray(interval, jnp.int32),
-                    next_look=jnp.asarray(next_look, jnp.int32))
+                    next_look=jnp.asarray(next_look, jnp.int32), pay=jnp.ones(()))
 
 
 def expected_tokens(ctrl: Controller):
@@ -116,14 +124,17 @@ def choose(ctrl: Controller, cfg: Settings, active, step, horizon: int):
   the drafter is taken at ctrl.next_look or later, and only where the run can repay it: at
   least an explore interval of iterations left of the `horizon` (max_new_tokens; each iteration
   emits a token or more), so a short run on a device where drafting is dear never pays for
-  one."""
+  one. While drafting's realised pay (ctrl.pay) is below plain steps', no iteration drafts
+  before ctrl.next_look."""
   budgets = jnp.asarray(cfg.budgets)
   rate = jnp.sum(jnp.where(active[:, None], expected_tokens(ctrl), 0.0), axis=0)
   arm = jnp.argmax(rate / jnp.asarray(cfg.costs, jnp.float32)).astype(jnp.int32)
   drafting = jnp.argmax(budgets > 1).astype(jnp.int32)     # the smallest drafting budget
-  explore = ((budgets[arm] == 1) & (step >= ctrl.next_look) &
-             (horizon - step >= cfg.explore_interval) & (budgets[-1] > 1))
-  return jnp.where(explore, drafting, arm)
+  due = step >= ctrl.next_look
+  explore = ((budgets[arm] == 1) & due & (horizon - step >= cfg.explore_interval) &
+             (budgets[-1] > 1))
+  held = (budgets[0] == 1) & (ctrl.pay < 1.0) & ~due      # drafting realised a loss
+  return jnp.where(explore, drafting, jnp.where(held, 0, arm))
 
 
 def masses(cfg: Settings, valid, path_logp):
@@ -136,19 +147,19 @@ def masses(cfg: Settings, valid, path_logp):
   return jnp.sum(jnp.where(within, p[:, None, :], 0.0), axis=-1)
 
 
-def paid(cfg: Settings, arm, active, accepted):
-  """[] whether an iteration at budget index `arm` gave the active sequences at least the
-  tokens per second that plain steps would have: Σ (1 + accepted) / C(n) >= Σ 1 / C(1)."""
+def pay(cfg: Settings, arm, active, accepted):
+  """[] the tokens per second an iteration at budget index `arm` gave the active sequences,
+  over what plain steps would have: Σ (1 + accepted) C(1) / (Σ 1 · C(n)); >= 1: it paid."""
   costs = jnp.asarray(cfg.costs, jnp.float32)
   tokens = jnp.sum(jnp.where(active, 1.0 + accepted, 0.0))
-  return tokens * costs[0] >= jnp.sum(active) * costs[arm]
+  return tokens * costs[0] / (jnp.maximum(jnp.sum(active), 1) * costs[arm])
 
 
 def update(ctrl: Controller, cfg: Settings, arm, active, mass, accepted, step) -> Controller:
   """After an iteration at budget index `arm` [] and loop step `step` []: mass [B, A] this
   iteration's m_b(n) (ignored unless it drafted), accepted [B] drafts accepted. A sequence's
   first draft sets its means; a drafted iteration sets the spacing of looks (restored when it
-  paid, doubled when it did not) and the next look's step."""
+  paid, doubled when it did not), the next look's step and the running mean of pay."""
   drafted = active & (jnp.asarray(cfg.budgets)[arm] > 1)
   a = jnp.where(ctrl.seen, cfg.decay, 0.0)
 
@@ -158,11 +169,14 @@ def update(ctrl: Controller, cfg: Settings, arm, active, mass, accepted, step) -
     return jnp.where(keep, a_ * old + (1 - a_) * new, old)
 
   any_drafted = jnp.any(drafted)
-  interval = jnp.where(paid(cfg, arm, active, accepted), cfg.explore_interval,
+  ratio = pay(cfg, arm, active, accepted)
+  kept = jnp.where(jnp.any(ctrl.seen), cfg.decay, 0.0)     # the run's first draft sets it
+  interval = jnp.where(ratio >= 1.0, cfg.explore_interval,
                        jnp.minimum(2 * ctrl.interval, LONGEST))
   interval = jnp.where(any_drafted, interval, ctrl.interval)
   return Controller(mass=mean(ctrl.mass, mass),
                     observed=mean(ctrl.observed, accepted.astype(jnp.float32)),
                     predicted=mean(ctrl.predicted, mass[:, arm]),
                     seen=ctrl.seen | drafted, interval=interval,
-                    next_look=jnp.where(any_drafted, step + interval, ctrl.next_look))
+                    next_look=jnp.where(any_drafted, step + interval, ctrl.next_look),
+                    pay=jnp.where(any_drafted, kept * ctrl.pay + (1 - kept) * ratio, ctrl.pay))

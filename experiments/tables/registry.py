@@ -39,7 +39,8 @@ def _options(name: str, kwargs: dict) -> dict:
                 windows=tuple(kwargs.get("long_windows") or long_context.WINDOWS))
   if name == "goodput":
     return dict(batch_sizes=tuple(kwargs.get("goodput_batches") or goodput.BATCH_SIZES),
-                methods=tuple(kwargs.get("goodput_methods") or ()))
+                methods=tuple(kwargs.get("goodput_methods") or ()),
+                rounds=kwargs.get("goodput_rounds") or goodput.ROUNDS)
   if name == "serving":
     return {k: kwargs[f"serving_{k}"] for k in ("count", "concurrency", "slots", "steps",
                                                  "transformers", "invariance_count",
