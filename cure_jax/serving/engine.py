@@ -9,6 +9,8 @@ returns each slot's new tokens; `cancel` ends a slot. The host syncs once per ch
 
 Every program is compiled once, when the engine is built, for its (Spec, slots, cache length):
 a request's prompt is padded to the cache length, its token limit and key are row values.
+A sampled engine (its Spec's temperature > 0) takes each request's temperature, top-k and top-p
+as row values too (`sampling.Rows`): rows at temperature 0 decode greedily in the same program.
 A request's random numbers come from its own seed (the row key of `Generator.generate` for a
 prompt decoded alone), never from its slot; with numerics=invariant a row's logits do not
 depend on the rows beside it, so its tokens are those of decoding it alone at batch 1.
@@ -24,15 +26,18 @@ import numpy as np
 
 from cure_jax.runtime import decoding
 from cure_jax.runtime.generation import Generator
+from cure_jax.tree.sampling import Rows, Sampling
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """What one slot decodes: prompt ids, the most tokens to produce, and the sampling seed."""
+  """What one slot decodes: prompt ids, the most tokens to produce, the sampling seed and
+  settings (None: the engine's)."""
 
   prompt: tuple[int, ...]
   max_tokens: int
   seed: int = 0
+  sampling: Sampling | None = None
 
 
 @dataclasses.dataclass
@@ -87,6 +92,7 @@ class Engine:
     self.steps = min(steps, self.max_tokens)
     generator.check_memory(slots, max_len, max_len)
     self.spec = generator.spec(max_len, slots)
+    self.sampled = not generator.sampling.greedy   # per-request settings in one program
     self._compile()
     self.state = self._tile(self._prefill(Request((0,), 1)), slots)
     self._seen = np.zeros(slots, np.int64)        # tokens of each slot already returned
@@ -103,11 +109,12 @@ class Engine:
     plen = jax.ShapeDtypeStruct((1,), jnp.int32)
     rng = jax.eval_shape(jax.random.key, 0)
     first = jax.ShapeDtypeStruct((), jnp.int32)
+    rows = jax.eval_shape(lambda: Rows.of(g.sampling)) if self.sampled else None
     self._pre = decoding.compile_with(decoding.prefill.lower(
-        g.graphdef, g.params, prompt, plen, rng, first, spec=self.spec), options)
-    row = jax.eval_shape(lambda p, n, k, f: decoding.prefill(g.graphdef, g.params, p, n, k, f,
-                                                             spec=self.spec),
-                         prompt, plen, rng, first)
+        g.graphdef, g.params, prompt, plen, rng, first, rows, spec=self.spec), options)
+    row = jax.eval_shape(lambda p, n, k, f, r: decoding.prefill(g.graphdef, g.params, p, n, k, f,
+                                                                r, spec=self.spec),
+                         prompt, plen, rng, first, rows)
     state = jax.eval_shape(lambda r: self._tile(r, self.slots), row)
     slot = jax.ShapeDtypeStruct((), jnp.int32)
     chunk = jax.jit(_chunk, donate_argnums=2, static_argnames=("graphdef", "spec", "steps"))
@@ -128,8 +135,9 @@ class Engine:
     g = self.generator
     prompt = np.zeros((1, self.max_len), np.int32)
     prompt[0, :len(request.prompt)] = request.prompt
+    rows = Rows.of(request.sampling or g.sampling) if self.sampled else None
     return self._pre(g.params, jnp.asarray(prompt), jnp.asarray([len(request.prompt)], jnp.int32),
-                     jax.random.key(request.seed), np.int32(0))
+                     jax.random.key(request.seed), np.int32(0), rows)
 
   # --- the host's side ----------------------------------------------------------------------
 
@@ -157,6 +165,11 @@ class Engine:
     if self.live[slot]:
       raise ValueError(f"slot {slot} is busy")
     self.check(len(request.prompt), request.max_tokens)
+    if request.sampling is not None:
+      request.sampling.validate()
+      if not self.sampled and not request.sampling.greedy:
+        raise ValueError(f"temperature={request.sampling.temperature}: this engine's program "
+                         "is greedy; build it with a temperature > 0 to sample per request")
     row = self._prefill(request)
     first = int(row.anchor[0])
     self.state = self._put(self.state, row, np.int32(slot), np.int32(request.max_tokens))
