@@ -9,6 +9,7 @@ Every field is read here, before anything runs: a request the server cannot hono
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from cure_jax.tree.sampling import Sampling
@@ -88,8 +89,8 @@ def _number(body: dict, name: str, default, kind):
   value = body.get(name, default)
   if value is None:
     return kind(default)
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-    raise bad(name, f"{name} must be a number, got {value!r}")
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise bad(name, f"{name} must be a finite number, got {value!r}")
   if kind is int and value != int(value):
     raise bad(name, f"{name} must be an integer, got {value!r}")
   return kind(value)

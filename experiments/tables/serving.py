@@ -192,8 +192,17 @@ def _rss_mb() -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
+def _outcomes(records, alone) -> dict:
+  return dict(sent=len(records),
+              statuses={s: sum(str(r.status) == s for r in records)
+                        for s in sorted({str(r.status) for r in records})},
+              server_errors=sum(isinstance(r.status, int) and r.status >= 500 for r in records),
+              mismatches=_mismatches(records, alone))
+
+
 def faults(bench: Bench, count: int, tokens: int, concurrency: int, slots: int,
-           steps: int) -> dict:
+           steps: int, save) -> dict:
+  """What the run has seen handed to `save` after every 100 requests, the whole at the end."""
   start = time.perf_counter()
   items = load.workload(bench.ids, count, tokens, tokens, seed=2, leave=0.10, malformed=0.05)
   cfg = _invariant(bench, items, tokens, method="ar")
@@ -201,11 +210,14 @@ def faults(bench: Bench, count: int, tokens: int, concurrency: int, slots: int,
   results, _ = _offline(bench, cfg, unique, slots)
   by_prompt = {tuple(p): r for p, r in zip(unique, results)}
   alone = [by_prompt[tuple(it.prompt)] for it in items]
+  row = dict(requests=count, concurrency=concurrency, slots=slots, max_tokens=tokens,
+             max_len=cfg.max_len)
   with _ours(bench, cfg, slots, steps) as url:
     records, rss = [], []
-    for start in range(0, count, 100):
-      records += _client(url, items[start:start + 100], math.inf, concurrency)[0]
+    for first in range(0, count, 100):
+      records += _client(url, items[first:first + 100], math.inf, concurrency)[0]
       rss.append(_rss_mb())
+      save(dict(row, **_outcomes(records, alone), rss_mb=rss, partial=True, utc=_utc()))
     deadline = time.monotonic() + 60
     while httpx.get(url + "/health").json()["free_slots"] < slots and time.monotonic() < deadline:
       time.sleep(0.1)
@@ -218,14 +230,12 @@ def faults(bench: Bench, count: int, tokens: int, concurrency: int, slots: int,
 
   counted = (metric("vllm:request_success_total") + metric("cure_jax:requests_cancelled_total")
              + metric("cure_jax:requests_rejected_total"))
-  return dict(requests=count, concurrency=concurrency,
-              statuses={str(s): sum(r.status == s for r in records)
-                        for s in sorted({str(r.status) for r in records}, key=str)},
-              server_errors=sum(isinstance(r.status, int) and r.status >= 500 for r in records),
-              mismatches=_mismatches(records, alone), counted=counted,
-              free_slots=health["free_slots"], slots=slots, rss_mb=rss,
-              rss_growth=rss[-1] / rss[0] - 1 if len(rss) > 1 else 0.0, max_tokens=tokens,
-              wall_s=time.perf_counter() - start, utc=_utc())
+  out = dict(row, **_outcomes(records, alone), counted=counted,
+             free_slots=health["free_slots"], rss_mb=rss,
+             rss_growth=rss[-1] / rss[0] - 1 if len(rss) > 1 else 0.0,
+             wall_s=time.perf_counter() - start, utc=_utc())
+  save(out)
+  return out
 
 
 SECTIONS = ("overhead", "throughput", "invariance", "faults")
@@ -266,8 +276,10 @@ def table_serving(bench: Bench, count: int = 64, concurrency: int = 8, slots: in
       save()
     invariance(bench, invariance_count, tokens, concurrency, slots, steps, runs, keep)
   if "faults" in sections:
-    payload["faults"] = faults(bench, fault_count, tokens, 32, slots, steps)
-    save()
+    def keep_faults(row):
+      payload["faults"] = row
+      save()
+    faults(bench, fault_count, tokens, 32, slots, steps, keep_faults)
   return payload
 
 
@@ -297,8 +309,13 @@ def _markdown(p: dict) -> str:
                         for r in p["invariance"]]), ""]
   if "faults" in p:
     f = p["faults"]
-    lines += [f"Faults ({f.get('utc')}): {f['requests']} requests, statuses {f['statuses']}, 5xx "
-              f"{f['server_errors']}, mismatches {f['mismatches']}, counted {f['counted']:.0f}, "
-              f"free slots {f['free_slots']}/{f['slots']}, RSS growth "
-              f"{100 * f['rss_growth']:.1f}%"]
+    if f.get("partial"):
+      lines += [f"Faults ({f['utc']}), so far: {f['sent']} of {f['requests']} requests, "
+                f"statuses {f['statuses']}, 5xx {f['server_errors']}, mismatches "
+                f"{f['mismatches']}, RSS {f['rss_mb']} MB"]
+    else:
+      lines += [f"Faults ({f['utc']}): {f['requests']} requests, statuses {f['statuses']}, 5xx "
+                f"{f['server_errors']}, mismatches {f['mismatches']}, counted "
+                f"{f['counted']:.0f}, free slots {f['free_slots']}/{f['slots']}, RSS growth "
+                f"{100 * f['rss_growth']:.1f}% ({f['rss_mb'][0]:.0f} -> {f['rss_mb'][-1]:.0f} MB)"]
   return "\n".join(lines)
