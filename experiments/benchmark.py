@@ -73,6 +73,9 @@ _SERVING = {k: f(f"serving_{k}", d, h) for k, f, d, h in [
     ("transformers", flags.DEFINE_bool, True, "serving: also transformers serve"),
     ("invariance_count", flags.DEFINE_integer, 48, "serving: requests per invariance run"),
     ("fault_count", flags.DEFINE_integer, 400, "serving: requests of the fault run"),
+    ("tokens", flags.DEFINE_integer, 32, "serving: max_tokens of invariance and fault requests"),
+    ("runs", flags.DEFINE_list, None, "serving: invariance runs as method:temperature "
+     "(default: ar, chain, ddtree, cure, auto at 0; chain, ddtree, cure at 1)"),
     ("sections", flags.DEFINE_list, None, "serving: overhead, throughput, invariance, faults "
      "(default: all)")]}
 _EXECUTE = flags.DEFINE_bool("execute", True, "table 3: run the HumanEval tests")

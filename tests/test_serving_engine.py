@@ -26,7 +26,7 @@ def models():
   return target, drafter, small
 
 
-def _generator(models, method, max_new_tokens, temperature=0.0):
+def _generator(models, method, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0):
   from cure_jax.tree import controller, repair
   target, drafter, small = models
   kinds = {"ar": None, "ar_draft": small}
@@ -36,7 +36,8 @@ def _generator(models, method, max_new_tokens, temperature=0.0):
   return Generator(target, kinds.get(method, drafter), method=method,
                    max_new_tokens=max_new_tokens, max_len=MAX_LEN, block_size=block,
                    cure=cure if method in ("cure", "hybrid", "ddtree") else None,
-                   sampling=Sampling(temperature), auto=auto if method == "auto" else None)
+                   sampling=Sampling(temperature, top_k, top_p),
+                   auto=auto if method == "auto" else None)
 
 
 def _requests(count, seed=9):
@@ -109,6 +110,37 @@ def test_seeded_sampling_served_equals_each_request_decoded_alone(models, method
   reseeded = [Request(r.prompt, r.max_tokens, r.seed + 1) for r in requests]
   again, _ = _serve(engine, reseeded, [0] * len(reseeded))
   assert sum(a != g for a, g in zip(again, got)) >= 3
+
+
+# (temperature, top_k, top_p) per request: greedy rows beside sampled ones of other settings
+SETTINGS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (0.5, 2, 0.9),
+            (0.0, 0, 1.0), (1.0, 4, 0.7)]
+
+
+@pytest.mark.parametrize("method", ["ar", "chain", "ddtree", "cure"])
+def test_per_request_settings_served_equal_each_request_decoded_alone(models, method):
+  """One sampled engine, seven requests each with its own temperature, top-k and top-p
+  (greedy ones among them) sharing chunks: each request's tokens equal it decoded alone by a
+  Generator compiled with its settings (the greedy program for temperature 0)."""
+  requests = [Request(r.prompt, r.max_tokens, r.seed, Sampling(*s))
+              for r, s in zip(_requests(7, seed=11), SETTINGS)]
+  engine = Engine(_generator(models, method, MAX_NEW, 1.0), slots=3, max_len=MAX_LEN, steps=2)
+  got, _ = _serve(engine, requests, [0, 0, 0, 1, 1, 2, 3])
+  alone = [_generator(models, method, r.max_tokens, r.sampling.temperature, r.sampling.top_k,
+                      r.sampling.top_p).generate([list(r.prompt)], seed=r.seed)[0].output_ids
+           for r in requests]
+  assert got == alone
+  greedy = _alone(models, method, requests)   # the sampled rows do not all decode greedily
+  assert sum(g != a for g, a, s in zip(greedy, alone, SETTINGS) if s[0]) >= 2
+
+
+def test_a_greedy_engine_refuses_a_sampled_request(models):
+  engine = Engine(_generator(models, "chain", MAX_NEW), slots=1, max_len=MAX_LEN)
+  with pytest.raises(ValueError, match="temperature > 0"):
+    engine.insert(0, Request((1, 2, 3), 4, 0, Sampling(0.7)))
+  with pytest.raises(ValueError, match="top_p=0"):
+    engine.insert(0, Request((1, 2, 3), 4, 0, Sampling(0.0, 0, 0.0)))
+  assert engine.free_slots() == [0]
 
 
 def test_cancel_frees_the_slot_for_the_next_request(models):

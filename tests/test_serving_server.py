@@ -25,6 +25,7 @@ from cure_jax.serving import server
 from cure_jax.serving.app import create_app
 from cure_jax.serving.engine import Engine
 from cure_jax.serving.requests import Served
+from cure_jax.tree.sampling import Sampling
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = random_models.Arch(vocab=64, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
@@ -40,8 +41,9 @@ def models():
   return target, drafter
 
 
-def _generator(models, max_new_tokens=MAX_NEW):
-  return Generator(*models, method="chain", max_new_tokens=max_new_tokens, max_len=MAX_LEN)
+def _generator(models, max_new_tokens=MAX_NEW, sampling=Sampling()):
+  return Generator(*models, method="chain", max_new_tokens=max_new_tokens, max_len=MAX_LEN,
+                   sampling=sampling)
 
 
 def _free_port() -> int:
@@ -51,10 +53,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serving(models, slots=2, max_waiting=8, steps=1):
-  """The app on a free port of 127.0.0.1, in a thread; yields (base url, app)."""
-  served = Served(MODEL, MAX_NEW, 0.0, 1.0, 0, 0, ARCH.vocab)
-  app = create_app(Engine(_generator(models), slots, MAX_LEN, steps), served, max_waiting, 5.0)
+def _serving(models, slots=2, max_waiting=8, steps=1, temperature=0.0):
+  """The app on a free port of 127.0.0.1, in a thread, greedy (temperature 0) or sampled;
+  yields (base url, app)."""
+  served = Served(MODEL, MAX_NEW, temperature, 1.0, 0, 0, ARCH.vocab)
+  engine = Engine(_generator(models, sampling=Sampling(temperature)), slots, MAX_LEN, steps)
+  app = create_app(engine, served, max_waiting, 5.0)
   with server.running(app) as url:
     yield url, app
 
@@ -63,8 +67,8 @@ def _prompts(count, seed=1):
   return random_models.prompts(seed, ARCH.vocab, count, lo=3, hi=20)
 
 
-def _alone(models, prompt, max_tokens, seed=0):
-  return _generator(models, max_tokens).generate([prompt], seed=seed)[0].output_ids
+def _alone(models, prompt, max_tokens, seed=0, sampling=Sampling()):
+  return _generator(models, max_tokens, sampling).generate([prompt], seed=seed)[0].output_ids
 
 
 def _metric(text: str, name: str) -> float:
@@ -107,6 +111,33 @@ def test_openai_client_gets_each_request_decoded_alone(models):
     assert finish == ("length" if len(ids) == n else "stop")
 
 
+def test_a_sampled_server_takes_sampling_settings_per_request(models):
+  """A server started at temperature 1: five requests at once through 2 slots, each with its
+  own temperature, top_p and top_k (top_k as vLLM's extra field), one greedy and one with the
+  server's defaults: token ids equal each request decoded alone offline with its settings."""
+  prompts = _prompts(5, seed=7)
+  asks = [dict(temperature=0.0), dict(temperature=0.6, top_p=0.9), dict(),
+          dict(temperature=1.4, top_k=5), dict(temperature=0.8, top_p=0.7, top_k=20)]
+
+  async def run(url):
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+    async def ask(prompt, a, seed):
+      extra = {"top_k": a["top_k"]} if "top_k" in a else None
+      r = await client.completions.create(
+          model=MODEL, prompt=prompt, max_tokens=24, seed=seed, extra_body=extra,
+          **{k: v for k, v in a.items() if k != "top_k"})
+      return r.choices[0].token_ids
+
+    return await asyncio.gather(*[ask(p, a, 10 + i) for i, (p, a) in enumerate(zip(prompts, asks))])
+
+  with _serving(models, temperature=1.0) as (url, _):
+    got = asyncio.run(run(url))
+  for i, (ids, p, a) in enumerate(zip(got, prompts, asks)):
+    settings = Sampling(a.get("temperature", 1.0), a.get("top_k", 0), a.get("top_p", 1.0))
+    assert ids == _alone(models, p, 24, 10 + i, settings), a
+
+
 BAD = [  # (body, status, param, words in the message)
     (b"{not json", 400, None, "not valid JSON"),
     (dict(model="gpt-4", prompt=[1, 2], max_tokens=4), 404, "model", "does not exist"),
@@ -118,6 +149,8 @@ BAD = [  # (body, status, param, words in the message)
     (dict(model=MODEL, prompt=[1, 2], max_tokens=4, logprobs=2), 400, "logprobs", "not built"),
     (dict(model=MODEL, prompt=[1, 2], max_tokens=4, temperature=0.7), 400, "temperature",
      "--config.temperature"),
+    (dict(model=MODEL, prompt=[1, 2], max_tokens=4, top_p=1.5), 400, "top_p", "(0, 1]"),
+    (dict(model=MODEL, prompt=[1, 2], max_tokens=4, top_k=2.5), 400, "top_k", "integer"),
     (dict(model=MODEL, prompt=[1, 2], max_tokens=4, best_of=3), 400, "best_of", "not supported"),
     (dict(model=MODEL, prompt="hello", max_tokens=4), 400, "prompt", "token ids"),
     (dict(model=MODEL, prompt=[1, 99], max_tokens=4), 400, "prompt", "[0, 64)"),

@@ -110,7 +110,10 @@ def log_q(spec: Spec, logits):
   """Log of the distribution drafts are taken from: softmax when greedy, else the warped q."""
   if spec.sampling.greedy:
     return jax.nn.log_softmax(logits, axis=-1)
-  return jnp.log(sampling.warp(logits, spec.sampling))
+  logq = jnp.log(sampling.warp(logits, spec.sampling))
+  if isinstance(spec.sampling, sampling.Rows):   # rows at temperature 0: ranked as greedy's
+    return jnp.where(spec.sampling.argmax_rows(logits), jax.nn.log_softmax(logits, axis=-1), logq)
+  return logq
 
 
 def branch0_rows(tree, root_row, rows):

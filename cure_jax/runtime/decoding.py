@@ -65,6 +65,17 @@ class State:
   controller: controller.Controller | None = None  # the goodput controller's (spec.auto)
   limit: jax.Array | None = None  # [B] tokens each sequence may produce (serving's slots);
                                   # None: spec.max_new_tokens for all
+  sampling: sampling.Rows | None = None  # each sequence's own settings (serving's slots);
+                                         # None: spec.sampling for all
+
+
+def row_spec(spec: Spec, rows: sampling.Rows | None) -> Spec:
+  """spec sampling with each row's settings where the state carries them (a sampled spec's)."""
+  if rows is None:
+    return spec
+  if spec.sampling.greedy:
+    raise ValueError("per-row sampling settings need a sampled program (temperature > 0)")
+  return dataclasses.replace(spec, sampling=rows)
 
 
 def max_new(spec: Spec, st: State):
@@ -124,9 +135,11 @@ def prefill_chunks(target, drafter, spec: Spec, prompt, prompt_len):
                         prefill_start(target, drafter, spec, prompt.shape[0]))
 
 
-def start_state(target, spec: Spec, carry, key, first_row=0) -> State:
+def start_state(target, spec: Spec, carry, key, first_row=0, rows=None) -> State:
   """The state before the first iteration, from a finished prefill's carry: the first token
-  chosen from each row's last hidden state with its row key (fold_in(key, first_row + b))."""
+  chosen from each row's last hidden state with its row key (fold_in(key, first_row + b));
+  rows: each row's sampling settings (None: spec.sampling's)."""
+  spec = row_spec(spec, rows)
   cache, dcache, last = carry
   b = last.shape[0]
   key, sub = sampling.split(sampling.row_keys(key, first_row, b))        # [B] each
@@ -140,18 +153,20 @@ def start_state(target, spec: Spec, carry, key, first_row=0) -> State:
                iterations=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
                stats=Stats.zeros(b, n, u, spec.block_size),
                budget=budget_lib.init(b) if spec.online else None,
-               controller=controller.init(b, spec.auto) if spec.auto else None)
+               controller=controller.init(b, spec.auto) if spec.auto else None, sampling=rows)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def prefill(graphdef, params, prompt, prompt_len, key=None, first_row=0, *, spec: Spec) -> State:
+def prefill(graphdef, params, prompt, prompt_len, key=None, first_row=0, rows=None, *,
+            spec: Spec) -> State:
   """prompt [B, P] right-padded ids, prompt_len [B], a PRNG key (for sampling; default seed 0)
-  and the index of row 0 in the whole request (row b samples from fold_in(key, first_row + b))
-  -> the state before the first iteration."""
+  and the index of row 0 in the whole request (row b samples from fold_in(key, first_row + b));
+  rows: each row's sampling settings (None: spec.sampling's) -> the state before the first
+  iteration."""
   key = jax.random.key(0) if key is None else key
   target, drafter = _merge(graphdef, params)
   return start_state(target, spec, prefill_chunks(target, drafter, spec, prompt, prompt_len),
-                     key, first_row)
+                     key, first_row, rows)
 
 
 def propose(target, drafter, spec: Spec, st: State, want=None):
@@ -402,6 +417,7 @@ def controlled_iteration(target, drafter, spec: Spec, st: State) -> State:
 
 def iteration(target, drafter, spec: Spec, st: State) -> State:
   """One propose -> verify -> commit/resync step for every sequence still running."""
+  spec = row_spec(spec, st.sampling)
   if spec.auto is not None:
     return controlled_iteration(target, drafter, spec, st)
   proposal, dcache = propose(target, drafter, spec, st)

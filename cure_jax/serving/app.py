@@ -79,7 +79,8 @@ def create_app(engine: Engine, served: Served, max_waiting: int, drain_s: float 
       engine.check(len(job.prompt), job.max_tokens)
     except ValueError as e:
       raise bad("max_tokens", str(e)) from None
-    ticket = scheduler.submit(Request(tuple(job.prompt), job.max_tokens, job.seed))
+    ticket = scheduler.submit(Request(tuple(job.prompt), job.max_tokens, job.seed,
+                                      job.sampling))
     output = Output(served.tokenizer, job.stop, engine.spec.stop_ids, job.max_tokens)
     reply = _Reply(served.model, job, output, ticket)
     if job.stream:

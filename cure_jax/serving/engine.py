@@ -15,7 +15,9 @@ smallest bucket (1, 2, 4, ..., S) that fits them: the state grows by a bucket wh
 finds no free row and shrinks by one when the live rows fit the bucket below (moving rows), so
 a lone request pays for one row, not S. Every program is compiled once, when the engine is
 built, for its (Spec, rows, cache length) per bucket: a request's prompt is padded to the cache
-length, its token limit and key are row values.
+length, its token limit and key are row values. A sampled engine (its Spec's temperature > 0)
+takes each request's temperature, top-k and top-p as row values too (`sampling.Rows`): rows at
+temperature 0 decode greedily in the same program.
 
 A request's random numbers come from its own seed (the row key of `Generator.generate` for a
 prompt decoded alone), never from its slot or row; with numerics=invariant a row's logits do
@@ -34,6 +36,7 @@ import numpy as np
 from cure_jax.runtime import decoding
 from cure_jax.runtime.generation import Generator
 from cure_jax.serving import programs
+from cure_jax.tree.sampling import Rows, Sampling
 
 # Prefill here, measured on the embedded default (2-core CPU, float32, cache 1,024, 2026-12-07):
 # a 155-token prompt took 605 ms in one chunk of 512 (the offline CPU default), 205 in 256,
@@ -49,11 +52,13 @@ def buckets(slots: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """What one slot decodes: prompt ids, the most tokens to produce, and the sampling seed."""
+  """What one slot decodes: prompt ids, the most tokens to produce, the sampling seed and
+  settings (None: the engine's)."""
 
   prompt: tuple[int, ...]
   max_tokens: int
   seed: int = 0
+  sampling: Sampling | None = None
 
 
 @dataclasses.dataclass
@@ -106,6 +111,7 @@ class Engine:
     generator.check_memory(slots, max_len, max_len)
     self.spec = dataclasses.replace(generator.spec(max_len, slots), prefill_chunk=chunk)
     self.buckets = buckets(slots)
+    self.sampled = not generator.sampling.greedy   # per-request settings in one program
     self._compile()
     self.rows = self.buckets[0]                   # rows of the decode state
     self.state = self._tile(self._prefill(Request((0,), 1)), self.rows)
@@ -125,12 +131,13 @@ class Engine:
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
     key = jax.eval_shape(jax.random.key, 0)
     carry = jax.eval_shape(lambda p: programs.open_fill(g.graphdef, p, spec=spec), g.params)
-    row = jax.eval_shape(lambda p, c, k: programs.first(g.graphdef, p, c[:2], c[2], k,
-                                                        spec=spec), g.params, carry, key)
+    rows = jax.eval_shape(lambda: Rows.of(g.sampling)) if self.sampled else None
+    row = jax.eval_shape(lambda p, c, k, r: programs.first(g.graphdef, p, c[:2], c[2], k, r,
+                                                           spec=spec), g.params, carry, key, rows)
     self._open = lower(programs.open_fill)
     self._fill = lower(programs.fill, carry, jax.ShapeDtypeStruct((1, self.max_len), jnp.int32),
                        jax.ShapeDtypeStruct((1,), jnp.int32), i32, i32)
-    self._first = lower(programs.first, carry[:2], carry[2], key)
+    self._first = lower(programs.first, carry[:2], carry[2], key, rows)
     states = {b: jax.eval_shape(lambda r, b=b: self._tile(r, b), row) for b in self.buckets}
     self._run, self._put, self._end, self._take = {}, {}, {}, {}
     for b, state in states.items():
@@ -159,8 +166,10 @@ class Engine:
 
   def _start(self, fill: Fill) -> decoding.State:
     """A completed prefill's batch-1 state (its first token chosen with the request's key)."""
-    return self._first(self.generator.params, fill.carry[:2], fill.carry[2],
-                       jax.random.key(fill.request.seed))
+    g, request = self.generator, fill.request
+    rows = Rows.of(request.sampling or g.sampling) if self.sampled else None
+    return self._first(g.params, fill.carry[:2], fill.carry[2], jax.random.key(request.seed),
+                       rows)
 
   def _open_fill(self, request: Request) -> Fill:
     prompt = np.zeros((1, self.max_len), np.int32)
@@ -229,6 +238,11 @@ class Engine:
     if self.live[slot] or slot in self.filling:
       raise ValueError(f"slot {slot} is busy")
     self.check(len(request.prompt), request.max_tokens)
+    if request.sampling is not None:
+      request.sampling.validate()
+      if not self.sampled and not request.sampling.greedy:
+        raise ValueError(f"temperature={request.sampling.temperature}: this engine's program "
+                         "is greedy; build it with a temperature > 0 to sample per request")
 
   def begin(self, slot: int, request: Request) -> None:
     """Queues `request`'s prefill for the free `slot`; `fill` runs it."""

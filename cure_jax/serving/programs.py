@@ -64,8 +64,8 @@ def fill(graphdef, params, carry, prompt, prompt_len, start, stop, *, spec):
 
 
 @functools.partial(_static, donate_argnums=2)
-def first(graphdef, params, caches, last, key, *, spec) -> decoding.State:
+def first(graphdef, params, caches, last, key, rows=None, *, spec) -> decoding.State:
   """caches: the carry's (target cache, drafter state), given up to the state; last: its
-  final hidden state."""
+  final hidden state; rows: the request's sampling settings (a sampled engine's)."""
   target, _ = decoding._merge(graphdef, params)
-  return decoding.start_state(target, spec, (*caches, last), key)
+  return decoding.start_state(target, spec, (*caches, last), key, rows=rows)

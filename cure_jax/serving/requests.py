@@ -1,14 +1,18 @@
 """OpenAI request bodies checked into jobs, and OpenAI's error body for what fails a check.
 
 Every field is read here, before anything runs: a request the server cannot honour as sent
-(n > 1, logprobs, a temperature other than the one compiled into the loop) is refused with a
-400 naming the field and the fix, never silently served otherwise.
+(n > 1, logprobs, a temperature above 0 on a server whose program is greedy) is refused with a
+400 naming the field and the fix, never silently served otherwise. A server started sampled
+(temperature > 0) takes temperature, top_p and top_k per request, 0 included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+from cure_jax.tree.sampling import Sampling
 
 # fields read as OpenAI defines them; anything else with a value is refused
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
@@ -50,6 +54,11 @@ class Served:
   vocab_size: int
   tokenizer: Any = None
 
+  @property
+  def sampled(self) -> bool:
+    """Its program samples (per request settings); else it is greedy only."""
+    return self.temperature > 0
+
 
 @dataclasses.dataclass
 class Job:
@@ -58,6 +67,7 @@ class Job:
   prompt: list[int]
   max_tokens: int
   seed: int
+  sampling: Sampling
   stop: list[str]
   stream: bool
   include_usage: bool
@@ -75,16 +85,33 @@ def _int(body: dict, name: str, default=None, low: int | None = None):
   return value
 
 
-def _same(body: dict, name: str, served_value, flag: str):
-  """A sampling setting is compiled into the loop: a request may only ask for the server's."""
-  value = body.get(name)
+def _number(body: dict, name: str, default, kind):
+  value = body.get(name, default)
   if value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or value != served_value:
-    raise bad(name, f"{name}={value!r} is not served: this server decodes with {name}="
-                    f"{served_value} (compiled into its loop); leave {name} out or send "
-                    f"{served_value}, or start a server with --config.{flag}={value}",
+    return kind(default)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise bad(name, f"{name} must be a finite number, got {value!r}")
+  if kind is int and value != int(value):
+    raise bad(name, f"{name} must be an integer, got {value!r}")
+  return kind(value)
+
+
+def _sampling(body: dict, served: Served) -> Sampling:
+  """The request's temperature, top_p and top_k (the server's where left out), checked."""
+  s = Sampling(_number(body, "temperature", served.temperature, float),
+               _number(body, "top_k", served.top_k, int),
+               _number(body, "top_p", served.top_p, float))
+  try:
+    s.validate()
+  except ValueError as e:
+    raise bad(str(e).split("=")[0], str(e)) from None
+  if not s.greedy and not served.sampled:
+    raise bad("temperature", f"temperature={s.temperature} is not served: this server's "
+                             "program is greedy (started with temperature 0); send 0 or leave "
+                             "it out, or start a server with --config.temperature=1 (it serves "
+                             "temperature, top_p and top_k per request, 0 included)",
               "unsupported_value")
+  return s
 
 
 def _refuse_unsupported(body: dict, allowed: set[str]) -> None:
@@ -162,9 +189,7 @@ def parse(body: Any, served: Served, chat: bool) -> Job:
     raise bad(name, f"{name} is required: the most tokens to generate, 1 to "
                     f"{served.max_tokens}", "missing_required")
   max_tokens = _int(body, name, low=1)
-  _same(body, "temperature", served.temperature, "temperature")
-  _same(body, "top_p", served.top_p, "top_p")
-  _same(body, "top_k", served.top_k, "top_k")
+  sampling = _sampling(body, served)
   seed = _int(body, "seed", served.seed, low=0)
   stream = body.get("stream", False)
   if not isinstance(stream, bool):
@@ -178,5 +203,5 @@ def parse(body: Any, served: Served, chat: bool) -> Job:
     if "prompt" not in body:
       raise bad("prompt", "prompt is required", "missing_required")
     prompt = _ids(body["prompt"], served)
-  return Job(prompt, max_tokens, seed, _stop(body), stream,
+  return Job(prompt, max_tokens, seed, sampling, _stop(body), stream,
              bool(options.get("include_usage", False)), chat)

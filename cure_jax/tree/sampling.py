@@ -8,6 +8,10 @@ Each sequence of a batch carries its own key (keys [B]: `row_keys`, from the run
 sequence's index in the whole request), and every draw is made row by row from it. A sequence's
 random numbers then do not depend on the batch it is decoded in, its place there or the other
 rows: with numerics=invariant, sampling with a fixed seed emits the same tokens at any batch size.
+
+`Rows` carries the settings per row instead (a server's requests, each with its own): one
+compiled program then serves every mix of them, and a row at temperature 0 takes the argmax,
+so it decodes as a greedy program would.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,22 +42,78 @@ class Sampling:
       raise ValueError(f"top_p={self.top_p} must lie in (0, 1] (1 = off)")
 
 
-def warp(logits, s: Sampling):
+@struct.dataclass
+class Rows:
+  """Sampling settings per row: temperature [B] (0 = argmax), top_k [B] (0 = off), top_p [B]
+  (1 = off). Always a sampled program's: rows at temperature 0 decode greedily inside it."""
+
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+
+  greedy = False
+
+  @classmethod
+  def of(cls, s: Sampling, rows: int = 1) -> "Rows":
+    full = lambda v, dtype: jnp.full((rows,), v, dtype)   # noqa: E731
+    return cls(full(s.temperature, jnp.float32), full(s.top_k, jnp.int32),
+               full(s.top_p, jnp.float32))
+
+  def per_row(self, x, like):
+    """x [B] shaped to broadcast against like [B, ..., V]."""
+    return x.reshape(x.shape + (1,) * (like.ndim - 1))
+
+  def argmax_rows(self, like):
+    """[B, 1, ..., 1] rows at temperature 0."""
+    return self.per_row(self.temperature == 0, like)
+
+
+def _nucleus(probs, top_p):
+  """probs [..., V] cut to the smallest set of top tokens whose mass reaches top_p, renormalized."""
+  order = jnp.argsort(-probs, axis=-1)
+  sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+  keep_sorted = jnp.cumsum(sorted_p, axis=-1) - sorted_p < top_p
+  keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1,
+                            inplace=False)
+  probs = jnp.where(keep, probs, 0.0)
+  return probs / jnp.sum(probs, axis=-1, keepdims=True)
+
+
+def warp(logits, s: Sampling | Rows):
   """Float32 probabilities [..., V] after temperature, then top-k, then top-p (nucleus)."""
+  if isinstance(s, Rows):
+    return _warp_rows(logits, s)
   scores = logits.astype(jnp.float32) / s.temperature
   if 0 < s.top_k < scores.shape[-1]:
     kth = jax.lax.top_k(scores, s.top_k)[0][..., -1:]
     scores = jnp.where(scores < kth, -jnp.inf, scores)
   probs = jax.nn.softmax(scores, axis=-1)
   if s.top_p < 1.0:
-    order = jnp.argsort(-probs, axis=-1)
-    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-    keep_sorted = jnp.cumsum(sorted_p, axis=-1) - sorted_p < s.top_p
-    keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1,
-                              inplace=False)
-    probs = jnp.where(keep, probs, 0.0)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    probs = _nucleus(probs, s.top_p)
   return probs
+
+
+def _warp_rows(logits, s: Rows):
+  """warp with each row's own settings: the same operations, so a row's probabilities are
+  bitwise those of warp with its settings as a Sampling; one-hot at the argmax at temperature 0.
+  The sorts top-k and top-p need run only when a row asks for them."""
+  logits = logits.astype(jnp.float32)
+  t, k, p = (s.per_row(x, logits) for x in (s.temperature, s.top_k, s.top_p))
+  scores = logits / jnp.where(t > 0, t, 1.0)
+  v = scores.shape[-1]
+  cut = (k > 0) & (k < v)
+
+  def top_k(scores):
+    ranked = -jnp.sort(-scores, axis=-1)
+    kth = jnp.take_along_axis(ranked, jnp.clip(k - 1, 0, v - 1), axis=-1)
+    return jnp.where(cut & (scores < kth), -jnp.inf, scores)
+
+  scores = jax.lax.cond(jnp.any(cut), top_k, lambda x: x, scores)
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jax.lax.cond(jnp.any(p < 1.0),
+                       lambda x: jnp.where(p < 1.0, _nucleus(x, p), x), lambda x: x, probs)
+  argmax = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+  return jnp.where(s.argmax_rows(logits), argmax, probs)
 
 
 def row_keys(key, first_row, rows: int):

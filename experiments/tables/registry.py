@@ -42,11 +42,23 @@ def _options(name: str, kwargs: dict) -> dict:
                 methods=tuple(kwargs.get("goodput_methods") or ()),
                 rounds=kwargs.get("goodput_rounds") or goodput.ROUNDS)
   if name == "serving":
-    return {k: kwargs[f"serving_{k}"] for k in ("count", "concurrency", "slots", "steps",
-                                                 "transformers", "invariance_count",
-                                                 "fault_count", "sections")
-            if kwargs.get(f"serving_{k}") is not None}
+    out = {k: kwargs[f"serving_{k}"] for k in ("count", "concurrency", "slots", "steps",
+                                                "transformers", "invariance_count",
+                                                "fault_count", "tokens", "sections")
+           if kwargs.get(f"serving_{k}") is not None}
+    if kwargs.get("serving_runs"):
+      out["runs"] = tuple(_run(r) for r in kwargs["serving_runs"])
+    return out
   return {}
+
+
+def _run(text: str) -> tuple[str, float]:
+  """'method:temperature' -> (method, temperature)."""
+  method, _, temperature = text.partition(":")
+  try:
+    return method, float(temperature)
+  except ValueError:
+    raise ValueError(f"--serving_runs: {text!r} is not method:temperature (e.g. cure:1)") from None
 
 
 def run_tables(bench: Bench, which: str, **kwargs) -> dict:

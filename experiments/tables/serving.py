@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import math
 import re
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
@@ -138,21 +140,51 @@ def _mismatches(records, alone) -> int:
   return sum(r.token_ids != a.output_ids for r, a in zip(records, alone) if r.status == 200)
 
 
+def _alone(gen, items, greedy: bool) -> list:
+  """Each item decoded alone at batch 1; repeats of one request (its seed matters only when
+  sampling) are decoded once."""
+  done = {}
+  for it in items:
+    key = (tuple(it.prompt), it.max_tokens, None if greedy else it.seed)
+    if key not in done:
+      done[key] = gen.generate([it.prompt], seed=it.seed)[0]
+  return [done[(tuple(it.prompt), it.max_tokens, None if greedy else it.seed)] for it in items]
+
+
+PREFILL = 64   # prompt tokens per prefill step of the invariance and fault runs
+
+
+def _invariant(bench: Bench, items, tokens: int, **fields):
+  """numerics=invariant with a cache just long enough for the items and short prefill steps
+  (a prompt pads to a whole step): on a CPU the invariant kernels pay for every padded row."""
+  longest = max(len(it.prompt) for it in items) + tokens
+  return _config(bench, numerics="invariant", max_new_tokens=tokens, prefill_chunk=PREFILL,
+                 max_len=PREFILL * -(-longest // PREFILL), **fields)
+
+
 def invariance(bench: Bench, count: int, tokens: int, concurrency: int, slots: int, steps: int,
-               runs) -> list[dict]:
+               runs, save) -> list[dict]:
+  """Per run, its row handed to `save` as soon as it is measured."""
   out = []
   for method, temperature in runs:
-    cfg = _config(bench, method=method, temperature=temperature, numerics="invariant",
-                  max_new_tokens=tokens, max_len=1024)
+    start = time.perf_counter()
     items = load.workload(bench.ids, count, tokens, tokens, seed=1)
+    cfg = _invariant(bench, items, tokens, method=method, temperature=temperature)
     gen = pipeline.make_generator(cfg, bench.target, _drafter(bench, cfg), bench.stops)
-    alone = [gen.generate([it.prompt], seed=it.seed)[0] for it in items]
+    alone = _alone(gen, items, temperature == 0.0)
+    alone_s = time.perf_counter() - start
     with _ours(bench, cfg, slots, steps) as url:
       records, wall = _client(url, items, 4.0, concurrency)
-    out.append(dict(method=method, temperature=temperature, requests=count,
-                    completed=sum(r.status == 200 for r in records),
-                    mismatches=_mismatches(records, alone)))
+    out.append(dict(method=method, temperature=temperature, requests=count, max_tokens=tokens,
+                    max_len=cfg.max_len, completed=sum(r.status == 200 for r in records),
+                    mismatches=_mismatches(records, alone), alone_s=alone_s, load_wall_s=wall,
+                    wall_s=time.perf_counter() - start, utc=_utc()))
+    save(out[-1])
   return out
+
+
+def _utc() -> str:
+  return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
 
 def _rss_mb() -> float:
@@ -160,16 +192,32 @@ def _rss_mb() -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
+def _outcomes(records, alone) -> dict:
+  return dict(sent=len(records),
+              statuses={s: sum(str(r.status) == s for r in records)
+                        for s in sorted({str(r.status) for r in records})},
+              server_errors=sum(isinstance(r.status, int) and r.status >= 500 for r in records),
+              mismatches=_mismatches(records, alone))
+
+
 def faults(bench: Bench, count: int, tokens: int, concurrency: int, slots: int,
-           steps: int) -> dict:
-  cfg = _config(bench, method="ar", numerics="invariant", max_new_tokens=tokens, max_len=1024)
+           steps: int, save) -> dict:
+  """What the run has seen handed to `save` after every 100 requests, the whole at the end."""
+  start = time.perf_counter()
   items = load.workload(bench.ids, count, tokens, tokens, seed=2, leave=0.10, malformed=0.05)
-  alone, _ = _offline(bench, cfg, [it.prompt for it in items], slots)
+  cfg = _invariant(bench, items, tokens, method="ar")
+  unique = list({tuple(it.prompt): it.prompt for it in items}.values())   # greedy: one each
+  results, _ = _offline(bench, cfg, unique, slots)
+  by_prompt = {tuple(p): r for p, r in zip(unique, results)}
+  alone = [by_prompt[tuple(it.prompt)] for it in items]
+  row = dict(requests=count, concurrency=concurrency, slots=slots, max_tokens=tokens,
+             max_len=cfg.max_len)
   with _ours(bench, cfg, slots, steps) as url:
     records, rss = [], []
-    for start in range(0, count, 100):
-      records += _client(url, items[start:start + 100], math.inf, concurrency)[0]
+    for first in range(0, count, 100):
+      records += _client(url, items[first:first + 100], math.inf, concurrency)[0]
       rss.append(_rss_mb())
+      save(dict(row, **_outcomes(records, alone), rss_mb=rss, partial=True, utc=_utc()))
     deadline = time.monotonic() + 60
     while httpx.get(url + "/health").json()["free_slots"] < slots and time.monotonic() < deadline:
       time.sleep(0.1)
@@ -182,36 +230,57 @@ def faults(bench: Bench, count: int, tokens: int, concurrency: int, slots: int,
 
   counted = (metric("vllm:request_success_total") + metric("cure_jax:requests_cancelled_total")
              + metric("cure_jax:requests_rejected_total"))
-  return dict(requests=count, concurrency=concurrency,
-              statuses={str(s): sum(r.status == s for r in records)
-                        for s in sorted({str(r.status) for r in records}, key=str)},
-              server_errors=sum(isinstance(r.status, int) and r.status >= 500 for r in records),
-              mismatches=_mismatches(records, alone), counted=counted,
-              free_slots=health["free_slots"], slots=slots, rss_mb=rss,
-              rss_growth=rss[-1] / rss[0] - 1 if len(rss) > 1 else 0.0)
+  out = dict(row, **_outcomes(records, alone), counted=counted,
+             free_slots=health["free_slots"], rss_mb=rss,
+             rss_growth=rss[-1] / rss[0] - 1 if len(rss) > 1 else 0.0,
+             wall_s=time.perf_counter() - start, utc=_utc())
+  save(out)
+  return out
 
 
 SECTIONS = ("overhead", "throughput", "invariance", "faults")
+RUNS = (("ar", 0.0), ("chain", 0.0), ("ddtree", 0.0), ("cure", 0.0), ("auto", 0.0),
+        ("chain", 1.0), ("ddtree", 1.0), ("cure", 1.0))
+
+
+def _earlier(bench: Bench) -> dict:
+  """What an earlier run wrote into the same results folder (its sections are kept)."""
+  path = Path(bench.results_dir) / "serving.json"
+  if not path.is_file():
+    return {}
+  earlier = json.loads(path.read_text())
+  return {k: earlier[k] for k in SECTIONS if k in earlier}
 
 
 def table_serving(bench: Bench, count: int = 64, concurrency: int = 8, slots: int = 8,
                   steps: int = 8, rate: float = math.inf, transformers: bool = True,
-                  invariance_count: int = 48, fault_count: int = 400,
-                  sections: tuple[str, ...] = SECTIONS) -> dict:
-  payload = {}
+                  invariance_count: int = 48, fault_count: int = 400, tokens: int = 32,
+                  runs=RUNS, sections: tuple[str, ...] = SECTIONS) -> dict:
+  """The sections asked for, each written (atomically) as soon as it is measured, beside what
+  earlier runs wrote into the same folder; an invariance run replaces the row of its (method,
+  temperature). tokens: max_tokens of every invariance and fault request."""
+  payload = _earlier(bench)
+  save = lambda: write_outputs(bench, "serving", payload, _markdown(payload))   # noqa: E731
   if "overhead" in sections:   # with the server's slots, and with one (no idle rows)
     payload["overhead"] = [overhead(bench, 4, 64, n, steps) for n in sorted({slots, 1})]
+    save()
   if "throughput" in sections:
     payload["throughput"] = throughput(bench, count, 16, 256, concurrency, slots, steps, rate,
                                        transformers)
-  runs = [(m, 0.0) for m in ("ar", "chain", "ddtree", "cure", "auto")] + [
-      (m, 1.0) for m in ("chain", "ddtree", "cure")]
+    save()
   if "invariance" in sections:
-    payload["invariance"] = invariance(bench, invariance_count, 32, concurrency, slots, steps,
-                                       runs)
+    def keep(row):
+      rows = [r for r in payload.get("invariance", [])
+              if (r["method"], r["temperature"]) != (row["method"], row["temperature"])]
+      payload["invariance"] = rows + [row]
+      save()
+    invariance(bench, invariance_count, tokens, concurrency, slots, steps, runs, keep)
   if "faults" in sections:
-    payload["faults"] = faults(bench, fault_count, 32, 32, slots, steps)
-  return write_outputs(bench, "serving", payload, _markdown(payload))
+    def keep_faults(row):
+      payload["faults"] = row
+      save()
+    faults(bench, fault_count, tokens, 32, slots, steps, keep_faults)
+  return payload
 
 
 def _markdown(p: dict) -> str:
@@ -233,13 +302,20 @@ def _markdown(p: dict) -> str:
               f"TPOT {o['served_tpot_ms']:.2f} ms vs experiments.decode {o['decode_tpot_ms']:.2f} "
               f"ms ({o['ratio']:.3f}x)", ""]
   if "invariance" in p:
-    lines += [md_table(["method", "temperature", "requests", "completed", "mismatches"],
-                       [[r["method"], r["temperature"], r["requests"], r["completed"],
-                         r["mismatches"]] for r in p["invariance"]]), ""]
+    lines += [md_table(["method", "temperature", "requests", "max_tokens", "completed",
+                        "mismatches", "measured"],
+                       [[r["method"], r["temperature"], r["requests"], r.get("max_tokens"),
+                         r["completed"], r["mismatches"], r.get("utc")]
+                        for r in p["invariance"]]), ""]
   if "faults" in p:
     f = p["faults"]
-    lines += [f"Faults: {f['requests']} requests, statuses {f['statuses']}, 5xx "
-              f"{f['server_errors']}, mismatches {f['mismatches']}, counted {f['counted']:.0f}, "
-              f"free slots {f['free_slots']}/{f['slots']}, RSS growth "
-              f"{100 * f['rss_growth']:.1f}%"]
+    if f.get("partial"):
+      lines += [f"Faults ({f['utc']}), so far: {f['sent']} of {f['requests']} requests, "
+                f"statuses {f['statuses']}, 5xx {f['server_errors']}, mismatches "
+                f"{f['mismatches']}, RSS {f['rss_mb']} MB"]
+    else:
+      lines += [f"Faults ({f['utc']}): {f['requests']} requests, statuses {f['statuses']}, 5xx "
+                f"{f['server_errors']}, mismatches {f['mismatches']}, counted "
+                f"{f['counted']:.0f}, free slots {f['free_slots']}/{f['slots']}, RSS growth "
+                f"{100 * f['rss_growth']:.1f}% ({f['rss_mb'][0]:.0f} -> {f['rss_mb'][-1]:.0f} MB)"]
   return "\n".join(lines)
