@@ -151,13 +151,14 @@ def test_a_vocabulary_smaller_than_the_tree_settings_is_rejected():
 
 
 def test_the_timed_drafter_pass_drafts_what_the_loop_drafts():
-  """cost_curve's drafter pass takes the head rows gathered beforehand (as decoding.decode's
-  loop does, so C_d excludes the gather): the same proposal as a pass that gathers them."""
+  """cost_curve's drafter pass takes the head rows gathered beforehand (decoding.models, as
+  decoding.decode's loop does, so C_d excludes the gather): the same proposal as a pass that
+  gathers them."""
   target, drafter = random_models.pair(ARCH, 0)
   gen = Generator(target, drafter, method="chain", max_new_tokens=4, draft_vocab=(0, 3, 5, 9))
   spec = gen.spec(gen.cache_len(8))
   st = cost_curve._start(gen.graphdef, gen.params, spec, 2)
-  held = cost_curve._drafting(gen.graphdef, gen.params, spec)(gen.params, st)
+  held = cost_curve.proposal_of(gen.graphdef, gen.params, spec, 2)
   t, d = nnx.merge(gen.graphdef, gen.params)
   # The jitted pass and this eager one sum in different orders. Reordering a float32 sum of n
   # terms moves it by up to n * eps of the sum of magnitudes, about sqrt(n) times the result for

@@ -146,3 +146,21 @@ def test_top_k_passes_equal_lax_top_k_ties_included(seed, k):
   want_values, want_indices = jax.lax.top_k(jnp.asarray(x), k)
   np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
   np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_max_argmax_is_numpys_max_and_argmax(seed):
+  """layers.max_argmax (the target's greedy token, each top-k pass; on CPU two plain
+  reductions) against numpy: the maximum and its first index, over few levels so that ties are
+  everywhere, rows all -inf, and a NaN taken as the maximum at its first place, as np.argmax
+  takes it."""
+  from cure_jax.models.layers import max_argmax
+  rng = np.random.default_rng(seed)
+  x = rng.choice(np.array([-np.inf, -1.0, 0.0, 0.5, 2.0], np.float32), size=(3, 5, 33))
+  x[0, 0] = -np.inf
+  x[1, 2, rng.integers(33, size=2)] = np.nan
+  values, indices = jax.jit(max_argmax)(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(indices), x.argmax(-1))
+  np.testing.assert_array_equal(np.asarray(values), x.max(-1))
+  assert indices.dtype == jnp.int32

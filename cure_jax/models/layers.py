@@ -20,6 +20,25 @@ from cure_jax.models.axes import DATA, MODEL
 from cure_jax.models.kernels import cpu_attention, gpu_attention, tpu_attention
 
 
+def max_argmax(x):
+  """(max, index of its first occurrence) over the last axis of x [..., N] -> ([...], [...]
+  int32), as jnp.max and jnp.argmax (a NaN counts as the maximum).
+
+  XLA:CPU reduces argmax's (value, index) pairs one element at a time, unvectorized (~0.5 ms
+  over SmolLM2's 15 x 8,192 draft logits); there it is two plain reductions, a max and a min
+  over the indices that hold it. Other platforms keep jnp.argmax."""
+  def reductions(x):
+    top = jnp.max(x, axis=-1)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    hit = (x == top[..., None]) | jnp.isnan(x)
+    return top, jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+  def pairs(x):
+    i = jnp.argmax(x, axis=-1)
+    return jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0], i.astype(jnp.int32)
+  return jax.lax.platform_dependent(x, cpu=reductions, default=pairs)
+
+
 class RMSNorm(nnx.Module):
   """RMSNorm with the HF parameter name `weight`: normalise in float32, cast, then scale."""
 

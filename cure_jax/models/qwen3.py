@@ -21,7 +21,7 @@ from cure_jax.models.cache import KVCache
 from cure_jax.models import layer_kernels, numerics
 from cure_jax.models.kernels import blocks, gpu_layer, prefix as prefix_attention
 from cure_jax.models.layers import (Linear, RMSNorm, Rope, SwiGLU, attend, einsum_f32,
-                                    embed_lookup, linear, rope_from_hf)
+                                    embed_lookup, linear, max_argmax, rope_from_hf)
 from cure_jax.models.moe import MoEConfig, SparseMoE
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
@@ -264,7 +264,7 @@ class Qwen3(nnx.Module):
 
   def _argmax(self, hidden, ids=None, rows=None):
     logits = self.logits(hidden) if ids is None else self.logits_rows(hidden, ids, rows)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return max_argmax(logits)[1]
 
   def head_weight(self):
     """The head's weights as vocabulary rows [V, H]: the embedding when tied."""

@@ -425,13 +425,19 @@ def iteration(target, drafter, spec: Spec, st: State) -> State:
   return commit(drafter, spec, st, proposal, dcache, verdict, verified)
 
 
+def models(graphdef, params, spec: Spec):
+  """(target, drafter) as the loop uses them: a draft vocabulary's head rows gathered once per
+  call, not every iteration."""
+  target, drafter = _merge(graphdef, params)
+  if spec.draft_vocab:
+    drafter.hold_head_rows(target, spec.draft_vocab)
+  return target, drafter
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
 def decode(graphdef, params, state: State, *, spec: Spec) -> State:
   """Runs iterations inside one compiled while loop until every sequence is done."""
-  target, drafter = _merge(graphdef, params)
-  if spec.draft_vocab:   # its head rows gathered once per call, not every iteration
-    drafter.hold_head_rows(target, spec.draft_vocab)
-
+  target, drafter = models(graphdef, params, spec)
   return jax.lax.while_loop(functools.partial(_running, spec),
                             lambda st: iteration(target, drafter, spec, st), state)
 

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from cure_jax.models.layers import max_argmax
+
 SELECT_RULES = ("margin", "earliest", "expected_gain")
 
 
@@ -126,9 +128,9 @@ def _top_k_passes(x, k: int):
   iota = jnp.arange(x.shape[-1])
   values, indices = [], []
   for _ in range(k):
-    i = jnp.argmax(x, axis=-1)
-    values.append(jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0])
-    indices.append(i.astype(jnp.int32))
+    v, i = max_argmax(x)
+    values.append(v)
+    indices.append(i)
     x = jnp.where(iota == i[..., None], -jnp.inf, x)
   return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
