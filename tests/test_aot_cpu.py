@@ -128,15 +128,15 @@ _FAIL_PREFILL = """
 import sys
 import jax
 from absl import app
-from cure_jax.runtime import decoding, errors
+from cure_jax.runtime import errors, xla_options
 from experiments import aot
-real = decoding.compile_with
+real = xla_options.compile_with
 def compile_with(lowered, options=None):   # the decode loop "does not fit", as v5e said at 32k
   if "@jit_run" in lowered.as_text()[:1000]:
     raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. "
                                      "HLO temporaries (39.43G) exceeds available HBM (15.75G)")
   return real(lowered, options)
-decoding.compile_with = compile_with
+xla_options.compile_with = compile_with
 app.run(errors.cli(aot.main))
 """
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cure_jax.runtime import decoding, generation, pipeline, prompts
+from cure_jax.runtime import generation, pipeline, prompts, xla_options
 from cure_jax.tree import repair
 from cure_jax.runtime.generation import Generator
 from cure_jax.analysis import random_models
@@ -89,12 +89,12 @@ def test_unknown_compiler_options(pair):
 
 
 def test_a_platform_default_this_xla_lacks_is_left_out(pair, monkeypatch):
-  """A platform default option (decoding.PLATFORM_OPTIONS) that the installed XLA does not know
+  """A platform default option (xla_options.PLATFORM_OPTIONS) that the installed XLA does not know
   is dropped, not reported as the user's error; the user's own unknown option still is."""
   target, _ = pair
   want = Generator(target, method="ar", max_new_tokens=4).generate([[1, 2, 3]])
-  monkeypatch.setitem(decoding.PLATFORM_OPTIONS, "cpu", {
-      **decoding.PLATFORM_OPTIONS["cpu"], "xla_not_in_this_version": "1"})
+  monkeypatch.setitem(xla_options.PLATFORM_OPTIONS, "cpu", {
+      **xla_options.PLATFORM_OPTIONS["cpu"], "xla_not_in_this_version": "1"})
   monkeypatch.setattr(generation, "_EXECUTABLES", {})         # compiled again, with the default
   got = Generator(target, method="ar", max_new_tokens=4).generate([[1, 2, 3]])
   assert got[0].output_ids == want[0].output_ids

@@ -10,7 +10,7 @@ from flax import nnx
 
 from cure_jax.analysis import random_models
 from cure_jax.methods.base import Spec
-from cure_jax.runtime import decoding
+from cure_jax.runtime import decoding, xla_options
 
 ARCH = random_models.Arch()
 MAX_LEN = 1024
@@ -26,7 +26,7 @@ def _decode_program(method: str, options: dict) -> str:
   state = jax.eval_shape(lambda p: decoding.prefill(graphdef, params, p, jnp.asarray([5]),
                                                     spec=spec), prompt)
   lowered = decoding.decode.lower(graphdef, params, state, spec=spec)
-  return decoding.compile_with(lowered, options).as_text()
+  return xla_options.compile_with(lowered, options).as_text()
 
 
 def _cache_copies(hlo: str) -> int:
@@ -40,7 +40,7 @@ def test_the_cpu_loop_copies_no_cache(method):
   """With the CPU platform's options (copy insertion by region analysis) no layer's cache is
   copied."""
   assert jax.default_backend() == "cpu"
-  assert _cache_copies(_decode_program(method, decoding.platform_options("cpu"))) == 0
+  assert _cache_copies(_decode_program(method, xla_options.platform_options("cpu"))) == 0
 
 
 def test_without_the_cpu_options_target_only_decoding_copies_every_cache():
@@ -53,7 +53,7 @@ def test_without_the_cpu_options_target_only_decoding_copies_every_cache():
 def test_the_cpu_attention_reads_the_cache_in_blocks():
   """No op of the compiled loop reads a layer's cache whole in a transposed copy, as the dense
   form's score product did; the blocks are dynamic slices inside a loop."""
-  hlo = _decode_program("ar", decoding.platform_options("cpu"))
+  hlo = _decode_program("ar", xla_options.platform_options("cpu"))
   transposed = rf"f32\[(1,)?{ARCH.kv_heads},{ARCH.head_dim},{MAX_LEN}\]"
   assert not re.search(rf"= {transposed}", hlo)
   assert re.search(r"dynamic-slice", hlo)
@@ -61,9 +61,9 @@ def test_the_cpu_attention_reads_the_cache_in_blocks():
 
 def test_user_options_win_over_the_platform_defaults():
   key = "xla_cpu_copy_insertion_use_region_analysis"
-  assert decoding.platform_options("cpu")[key] is True
-  assert decoding.platform_options("cpu", {key: False})[key] is False
+  assert xla_options.platform_options("cpu")[key] is True
+  assert xla_options.platform_options("cpu", {key: False})[key] is False
   tpu = "xla_tpu_msa_inefficient_use_to_copy_ratio"
-  assert decoding.platform_options("tpu")[tpu] == 1
-  assert decoding.platform_options("tpu", {tpu: 2})[tpu] == 2
-  assert decoding.platform_options("rocm") == {}                    # a platform without defaults
+  assert xla_options.platform_options("tpu")[tpu] == 1
+  assert xla_options.platform_options("tpu", {tpu: 2})[tpu] == 2
+  assert xla_options.platform_options("rocm") == {}                    # a platform without defaults

@@ -14,7 +14,7 @@ from flax import nnx
 
 from cure_jax.analysis import aot_costs, aot_programs, compiled_report, report
 from cure_jax.costs import gpu_targets
-from cure_jax.runtime import decoding, pipeline, sharding
+from cure_jax.runtime import pipeline, sharding, xla_options
 from cure_jax.runtime.generation import platform_prefill_chunk
 from cure_jax.training import program
 
@@ -55,7 +55,7 @@ def compile_report(config, s: Settings, log: Callable[[str], None] = _log) -> di
         "figures are meaningful in float32 (--config.dtype=float32)")
   dump = aot_programs.gpu_setup(s.topology)
   devices = gpu_targets.topology_devices(s.topology)
-  options = decoding.platform_options(devices[0].platform,
+  options = xla_options.platform_options(devices[0].platform,
                                       pipeline.compiler_options(list(s.compiler_options)))
   with config.unlocked():   # 0: the compiled-for platform's default, not this host's
     config.prefill_chunk = platform_prefill_chunk(int(config.prefill_chunk), devices[0].platform)

@@ -19,7 +19,7 @@ from cure_jax import methods
 from cure_jax.analysis import compiled_report, report
 from cure_jax.analysis.aot_programs import Case, abstract_cache, entry_labels
 from cure_jax.costs import hlo_traffic, launches, refusals
-from cure_jax.runtime import decoding, pipeline, sharding
+from cure_jax.runtime import pipeline, sharding, xla_options
 
 
 def per_chip_bytes(tree) -> float:
@@ -78,7 +78,7 @@ def analyse(case: Case, lowered, weights: dict[str, float], dump: str | None = N
   iteration (1 for ar and forward, the block for chain, the node budget for trees); chunks: a
   prefill's chunks (prefill_chunks); dump_hlo: a folder for the module and its labels."""
   t0 = time.perf_counter()
-  compiled = decoding.compile_with(lowered, options)
+  compiled = xla_options.compile_with(lowered, options)
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}

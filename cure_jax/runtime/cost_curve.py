@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from cure_jax.methods.base import Spec
-from cure_jax.runtime import decoding, files
+from cure_jax.runtime import decoding, files, xla_options
 from cure_jax.runtime.default_model import cache_root
 
 REPEATS = 5
@@ -74,8 +74,8 @@ def loop_seconds(graphdef, params, spec: Spec, batch: int, body, *consts) -> flo
     return jax.lax.fori_loop(0, trips, lambda _, s: body(target, drafter, s, *consts), st)
 
   st = _start(graphdef, params, spec, batch)
-  options = decoding.platform_options(jax.default_backend())
-  compiled = decoding.compile_with(
+  options = xla_options.platform_options(jax.default_backend())
+  compiled = xla_options.compile_with(
       jax.jit(run, donate_argnums=1).lower(params, st, jnp.int32(1), consts), options)
   state = [st]
 

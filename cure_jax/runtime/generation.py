@@ -12,7 +12,8 @@ from flax import nnx
 
 from cure_jax import methods
 from cure_jax.methods.base import Spec
-from cure_jax.runtime import cost_curve, decoding, draft_vocab as draft_vocab_lib, memory, sharding
+from cure_jax.runtime import (cost_curve, decoding, draft_vocab as draft_vocab_lib, memory,
+                              sharding, xla_options)
 from cure_jax.tree import controller, repair
 from cure_jax.tree.sampling import Sampling
 
@@ -271,7 +272,7 @@ class Generator:
     key = (self.graphdef, spec, batch, bucket, self.mesh, self.compiler_options)
     platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
                 else jax.default_backend())
-    options = decoding.platform_options(platform, dict(self.compiler_options))
+    options = xla_options.platform_options(platform, dict(self.compiler_options))
     if key not in _EXECUTABLES and self.mesh is not None:
       t0 = time.perf_counter()
       _EXECUTABLES[key] = decoding.compile_sharded(self.graphdef, self.params, spec, batch,
@@ -283,11 +284,11 @@ class Generator:
       plen = jax.ShapeDtypeStruct((batch,), jnp.int32)
       rng = jax.eval_shape(jax.random.key, 0)
       first = jax.ShapeDtypeStruct((), jnp.int32)
-      pre = decoding.compile_with(decoding.prefill.lower(self.graphdef, self.params, prompt,
+      pre = xla_options.compile_with(decoding.prefill.lower(self.graphdef, self.params, prompt,
                                                          plen, rng, first, spec=spec), options)
       state = jax.eval_shape(lambda p, l, k, f: decoding.prefill(
           self.graphdef, self.params, p, l, k, f, spec=spec), prompt, plen, rng, first)
-      dec = decoding.compile_with(
+      dec = xla_options.compile_with(
           decoding.decode.lower(self.graphdef, self.params, state, spec=spec), options)
       _EXECUTABLES[key] = (pre, dec)
       self.compile_s[(batch, bucket, max_len)] = time.perf_counter() - t0

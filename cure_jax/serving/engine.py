@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cure_jax.runtime import decoding
+from cure_jax.runtime import decoding, xla_options
 from cure_jax.runtime.generation import Generator
 from cure_jax.serving import programs
 from cure_jax.tree.sampling import Rows, Sampling
@@ -125,8 +125,8 @@ class Engine:
 
   def _compile(self):
     g, spec = self.generator, self.spec
-    options = decoding.platform_options(jax.default_backend(), dict(g.compiler_options))
-    lower = lambda fn, *args, **kw: decoding.compile_with(   # noqa: E731
+    options = xla_options.platform_options(jax.default_backend(), dict(g.compiler_options))
+    lower = lambda fn, *args, **kw: xla_options.compile_with(   # noqa: E731
         fn.lower(g.graphdef, g.params, *args, spec=spec, **kw), options)
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
     key = jax.eval_shape(jax.random.key, 0)
