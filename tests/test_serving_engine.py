@@ -3,11 +3,14 @@ decoding it alone at batch 1 (a different code path: the prompt's own prefill an
 loop, no slots), whatever slot it takes, whoever shares its chunks and whenever it arrives.
 Random models in numerics=invariant, so equality is bitwise for greedy and seeded sampling."""
 
+import gc
+
 import jax
 import numpy as np
 import pytest
 
 from cure_jax.analysis import random_models
+from cure_jax.runtime import generation
 from cure_jax.runtime.generation import Generator
 from cure_jax.serving.engine import Engine, Request
 from cure_jax.tree.sampling import Sampling
@@ -16,6 +19,17 @@ ARCH = random_models.Arch(vocab=8, hidden=64, layers=2, heads=4, kv_heads=2, hea
                           draft_layers=1, block_size=4, target_layer_ids=(0, 1))
 MAX_LEN, MAX_NEW = 48, 12
 CURE = dict(tau_margin=1e9, v_max=16, topk=2, beam_width=3)  # a repair every block
+
+
+@pytest.fixture(autouse=True)
+def _release_each_tests_programs():
+  """Each test here builds engines of a dozen or more programs and compiles offline references;
+  they are dropped after every test, not only at the module's end (conftest), so that the
+  module stays under vm.max_map_count, past which XLA:CPU crashes in its next compile."""
+  yield
+  generation.release_compiled()
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope="module")

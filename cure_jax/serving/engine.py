@@ -207,7 +207,7 @@ class Engine:
 
   def _place(self, slot: int, row: decoding.State, max_tokens: int) -> int:
     """Writes a prefilled batch-1 state into a free row for `slot`; returns its first token."""
-    first = int(row.anchor[0])
+    first = int(jax.device_get(row.anchor)[0])   # a transfer: indexing on device compiles
     at = self._free_row()
     self.state = self._put[self.rows](self.state, row, np.int32(at), np.int32(max_tokens))
     self._row[slot], self._seen[slot], self._iterations[slot] = at, 1, 0
