@@ -75,8 +75,11 @@ def loop_seconds(graphdef, params, spec: Spec, batch: int, body, *consts) -> flo
 
   st = _start(graphdef, params, spec, batch)
   options = xla_options.platform_options(jax.default_backend())
+  # the state leaves as it came (on a mesh the compiler may pick other shardings for a leaf)
+  keep = jax.tree.map(lambda x: x.sharding, st)
   compiled = xla_options.compile_with(
-      jax.jit(run, donate_argnums=1).lower(params, st, jnp.int32(1), consts), options)
+      jax.jit(run, donate_argnums=1, out_shardings=keep).lower(params, st, jnp.int32(1), consts),
+      options)
   state = [st]
 
   def call(trips):   # each call takes the state the last one left
