@@ -247,3 +247,26 @@ def test_requests_coming_and_going_compile_nothing_more(models):
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
   assert compiles == []
+
+
+def test_paced_chunks_run_the_iterations_that_fit_and_change_no_token(models, monkeypatch):
+  """chunk_s 0.3 s on a clock where every chunk takes 0.125 s (binary fractions: exact): the
+  first chunk of a row count runs 1 iteration (its pace: 0.125 s each), then 2 (0.3 // 0.125),
+  then 4 (0.0625 s each), then what is left (at most `steps`); the tokens are those of
+  decoding alone whatever the chunks' lengths."""
+  from cure_jax.serving import engine as engine_module
+  clock = iter(np.arange(0.0, 100.0, 0.125))   # read before and after a chunk
+  monkeypatch.setattr(engine_module, "time", type("Clock", (), {
+      "perf_counter": staticmethod(lambda: float(next(clock)))}))
+  request = Request(_requests(1, seed=21)[0].prompt, MAX_NEW, 3)
+  engine = Engine(_generator(models, "ar", MAX_NEW), slots=1, max_len=MAX_LEN, steps=6,
+                  chunk_s=0.3)
+  tokens, ran = [engine.insert(0, request)], []
+  while engine.live.any():
+    for u in engine.step():
+      tokens += u.tokens
+    ran.append(int(engine.state.step))
+  assert ran == [1, 2, 4, MAX_NEW - 1 - 7]   # 11 tokens after the first: 1 + 2 + 4 + 4
+  assert tokens == _alone(models, "ar", [request])[0]
+  with pytest.raises(ValueError, match="chunk_s=0"):
+    Engine(_generator(models, "ar", MAX_NEW), slots=1, max_len=MAX_LEN, chunk_s=0)

@@ -8,7 +8,9 @@ writes each prompt that completes into a free row; `step` runs one compiled chun
 `steps` iterations for every row inside one `lax.while_loop` (a free or finished row is a done
 row: masked, as in offline decoding) and returns each slot's new tokens; `cancel` ends a slot.
 The host syncs once per chunk, and a long prompt stalls the running requests for one turn at a
-time, never for its whole prefill.
+time, never for its whole prefill. A request that arrives while a chunk runs waits for it, so
+with `chunk_s` a chunk runs only as many iterations as fit in chunk_s at the pace the last
+chunk of as many rows kept: many rows take short chunks, one row still takes `steps`.
 
 Live requests are kept in the lowest rows, and the decode state holds only as many rows as the
 smallest bucket (1, 2, 4, ..., S) that fits them: the state grows by a bucket when a request
@@ -28,6 +30,7 @@ alone at batch 1.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -87,17 +90,21 @@ class Fill:
 
 class Engine:
   """S slots decoding with one Generator's method, models and settings; max_len: the cache
-  length every slot has (prompt + max_tokens - 1 must fit), steps: iterations per chunk (the
-  host's turn comes once per chunk: time to first token against dispatch overhead),
+  length every slot has (prompt + max_tokens - 1 must fit), steps: the most iterations per
+  chunk (the host's turn comes once per chunk: time to first token against dispatch
+  overhead), chunk_s: seconds a chunk may take (None: always `steps` iterations),
   prefill_chunk: prompt tokens per prefill step, prefill_turn: prompt tokens prefilled between
   two chunks (rounded down to whole prefill steps, at least one)."""
 
   def __init__(self, generator: Generator, slots: int, max_len: int, steps: int = 8,
-               prefill_chunk: int = PREFILL_CHUNK, prefill_turn: int = PREFILL_TURN):
+               chunk_s: float | None = None, prefill_chunk: int = PREFILL_CHUNK,
+               prefill_turn: int = PREFILL_TURN):
     if slots < 1:
       raise ValueError(f"slots={slots} must be >= 1 (requests decoded at once)")
     if steps < 1:
       raise ValueError(f"steps={steps} must be >= 1 (iterations per chunk)")
+    if chunk_s is not None and not chunk_s > 0:
+      raise ValueError(f"chunk_s={chunk_s} must be > 0 (seconds a chunk may take) or None")
     if prefill_chunk < 1 or prefill_turn < 1:
       raise ValueError(f"prefill_chunk={prefill_chunk} and prefill_turn={prefill_turn} must be "
                        ">= 1 (prompt tokens per prefill step and per turn between chunks)")
@@ -106,6 +113,8 @@ class Engine:
     self.generator, self.slots, self.max_len = generator, slots, max_len
     self.max_tokens = generator.max_new_tokens
     self.steps = min(steps, self.max_tokens)
+    self.chunk_s = chunk_s
+    self._iteration_s: dict[int, float] = {}       # rows -> seconds an iteration took last
     chunk = min(prefill_chunk, max_len)
     self.turn = max(prefill_turn // chunk, 1) * chunk
     generator.check_memory(slots, max_len, max_len)
@@ -128,7 +137,7 @@ class Engine:
     options = xla_options.platform_options(jax.default_backend(), dict(g.compiler_options))
     lower = lambda fn, *args, **kw: xla_options.compile_with(   # noqa: E731
         fn.lower(g.graphdef, g.params, *args, spec=spec, **kw), options)
-    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)   # a row value: index, limit, bound
     key = jax.eval_shape(jax.random.key, 0)
     carry = jax.eval_shape(lambda p: programs.open_fill(g.graphdef, p, spec=spec), g.params)
     rows = jax.eval_shape(lambda: Rows.of(g.sampling)) if self.sampled else None
@@ -141,7 +150,7 @@ class Engine:
     states = {b: jax.eval_shape(lambda r, b=b: self._tile(r, b), row) for b in self.buckets}
     self._run, self._put, self._end, self._take = {}, {}, {}, {}
     for b, state in states.items():
-      self._run[b] = lower(programs.chunk, state, steps=self.steps)
+      self._run[b] = lower(programs.chunk, state, i32)
       self._put[b] = jax.jit(programs.place, donate_argnums=0).lower(state, row, i32,
                                                                      i32).compile()
       self._end[b] = jax.jit(programs.cancel, donate_argnums=0).lower(state, i32).compile()
@@ -280,17 +289,30 @@ class Engine:
       self._row[slot] = -1
     self.live[slot] = False
 
+  def _steps(self) -> int:
+    """Iterations for the next chunk: `steps`, or with chunk_s those that fit in it at the pace
+    of the last chunk of this many rows (the first chunk of as many rows runs one: its pace)."""
+    if self.chunk_s is None:
+      return self.steps
+    if self.rows not in self._iteration_s:
+      return 1
+    return int(np.clip(self.chunk_s // self._iteration_s[self.rows], 1, self.steps))
+
   def step(self) -> list[Update]:
     """One chunk (after which the host reads the results once); an Update per live slot with
     its tokens after the first. Finished slots become free."""
     self._fit()
-    if self.live.any():
-      self.state = self._run[self.rows](self.generator.params, self.state)
+    running, start = self.live.any(), time.perf_counter()
+    if running:
+      self.state = self._run[self.rows](self.generator.params, self.state,
+                                        np.int32(self._steps()))
     st = self.state
-    tokens, produced, done, iterations, stats = jax.device_get(
-        (st.tokens, st.produced, st.done, st.iterations,
+    tokens, produced, done, iterations, ran, stats = jax.device_get(
+        (st.tokens, st.produced, st.done, st.iterations, st.step,
          (st.stats.accept_lengths, st.stats.nodes_verified, st.stats.repair_gain,
           st.stats.budget)))
+    if running:
+      self._iteration_s[self.rows] = (time.perf_counter() - start) / max(int(ran), 1)
     updates = []
     for slot in np.flatnonzero(self.live):
       r = self._row[slot]

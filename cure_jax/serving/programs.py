@@ -1,7 +1,8 @@
 """The engine's compiled programs: every one is lowered and compiled when the engine is built,
 for its (Spec, rows, cache length), and called with row values only.
 
-  chunk     up to `steps` iterations of every live row of a decode state of `rows` rows
+  chunk     up to `steps` (a row value: the engine paces its chunks) iterations of every live
+            row of a decode state of `rows` rows
   place     a finished prefill's batch-1 state written into one row
   cancel    one row ended (done)
   take      rows of a state gathered into a state of another size (live rows moved to the
@@ -38,8 +39,8 @@ def take(state: decoding.State, index, free) -> decoding.State:
   return st.replace(done=st.done | free, limit=jnp.where(free, 1, st.limit))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "steps"), donate_argnums=2)
-def chunk(graphdef, params, state: decoding.State, *, spec, steps: int) -> decoding.State:
+@functools.partial(_static, donate_argnums=2)
+def chunk(graphdef, params, state: decoding.State, steps, *, spec) -> decoding.State:
   """Up to `steps` iterations for every live row; the step counter restarts per chunk, so the
   per-iteration records of this chunk sit in columns 0.. of the state's stats."""
   target, drafter = decoding._merge(graphdef, params)

@@ -16,6 +16,7 @@ from cure_jax.serving.engine import Engine
 from cure_jax.serving.requests import Served
 
 DEFAULT_MAX_LEN = 1024   # the cache of every slot when config.max_len is 0
+CHUNK_S = 0.2            # seconds a chunk may take (Engine's chunk_s)
 
 
 def load(config):
@@ -29,13 +30,14 @@ def load(config):
 
 
 def build(config, target, drafter, tokenizer, slots: int, steps: int, max_waiting: int,
-          model_name: str = "", drain_s: float = 30.0):
-  """(app, Served) decoding with config's method and settings in `slots` slots."""
+          model_name: str = "", drain_s: float = 30.0, chunk_s: float | None = CHUNK_S):
+  """(app, Served) decoding with config's method and settings in `slots` slots, chunks of at
+  most `steps` iterations and about chunk_s seconds (Engine)."""
   if max_waiting < 0:
     raise ValueError(f"max_waiting={max_waiting} must be >= 0 (requests queued for a slot)")
   stops = () if config.ignore_eos else pipeline.stop_ids(config.target.path, tokenizer)
   generator = pipeline.make_generator(config, target, drafter, stops)
-  engine = Engine(generator, slots, int(config.max_len) or DEFAULT_MAX_LEN, steps)
+  engine = Engine(generator, slots, int(config.max_len) or DEFAULT_MAX_LEN, steps, chunk_s)
   served = Served(model=model_name or Path(config.target.path).name,
                   max_tokens=int(config.max_new_tokens), temperature=float(config.temperature),
                   top_p=float(config.top_p), top_k=int(config.top_k), seed=int(config.seed),
