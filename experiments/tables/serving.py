@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from cure_jax.analysis.report import md_table
+from cure_jax.analysis.report import md_table, num
 from cure_jax.runtime import pipeline
 from cure_jax.serving import load, server
 from experiments.tables.bench import Bench, write_outputs
@@ -175,9 +175,13 @@ def invariance(bench: Bench, count: int, tokens: int, concurrency: int, slots: i
     alone_s = time.perf_counter() - start
     with _ours(bench, cfg, slots, steps) as url:
       records, wall = _client(url, items, 4.0, concurrency)
+    usage = [r.usage for r in records if r.status == 200 and r.usage]
+    iterations = sum(u["iterations"] for u in usage)
+    emitted = sum(u["iterations"] * u["mean_accepted_length"] for u in usage)
     out.append(dict(method=method, temperature=temperature, requests=count, max_tokens=tokens,
                     max_len=cfg.max_len, completed=sum(r.status == 200 for r in records),
-                    mismatches=_mismatches(records, alone), alone_s=alone_s, load_wall_s=wall,
+                    mismatches=_mismatches(records, alone), iterations=iterations,
+                    tau=emitted / max(iterations, 1), alone_s=alone_s, load_wall_s=wall,
                     wall_s=time.perf_counter() - start, utc=_utc()))
     save(out[-1])
   return out
@@ -303,9 +307,10 @@ def _markdown(p: dict) -> str:
               f"ms ({o['ratio']:.3f}x)", ""]
   if "invariance" in p:
     lines += [md_table(["method", "temperature", "requests", "max_tokens", "completed",
-                        "mismatches", "measured"],
+                        "mismatches", "iterations", "τ", "measured"],
                        [[r["method"], r["temperature"], r["requests"], r.get("max_tokens"),
-                         r["completed"], r["mismatches"], r.get("utc")]
+                         r["completed"], r["mismatches"], r.get("iterations", "—"),
+                         num(r["tau"], ".3f") if "tau" in r else "—", r.get("utc")]
                         for r in p["invariance"]]), ""]
   if "faults" in p:
     f = p["faults"]
