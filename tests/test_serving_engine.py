@@ -40,7 +40,7 @@ def models():
   return target, drafter, small
 
 
-def _generator(models, method, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0):
+def _generator(models, method, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, mesh=None):
   from cure_jax.tree import controller, repair
   target, drafter, small = models
   kinds = {"ar": None, "ar_draft": small}
@@ -51,7 +51,7 @@ def _generator(models, method, max_new_tokens, temperature=0.0, top_k=0, top_p=1
                    max_new_tokens=max_new_tokens, max_len=MAX_LEN, block_size=block,
                    cure=cure if method in ("cure", "hybrid", "ddtree") else None,
                    sampling=Sampling(temperature, top_k, top_p),
-                   auto=auto if method == "auto" else None)
+                   auto=auto if method == "auto" else None, mesh=mesh)
 
 
 def _requests(count, seed=9):

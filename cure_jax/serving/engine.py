@@ -21,6 +21,12 @@ length, its token limit and key are row values. A sampled engine (its Spec's tem
 takes each request's temperature, top-k and top-p as row values too (`sampling.Rows`): rows at
 temperature 0 decode greedily in the same program.
 
+On a mesh (the Generator's, in one process: tensor parallel over `model`, rows split over
+`data`) every program takes and returns the shardings of sharding.decoding_state_shardings, so
+the donated state never changes sharding between calls. The buckets are multiples of mesh.data
+(which must divide S: data=2, S=8 -> 2, 4, 8), and a request is prefilled in mesh.data rows,
+each its own prompt, so that they split over `data` as the state's rows do; row 0 is placed.
+
 A request's random numbers come from its own seed (the row key of `Generator.generate` for a
 prompt decoded alone), never from its slot or row; with numerics=invariant a row's logits do
 not depend on the rows beside it or on the batch size, so its tokens are those of decoding it
@@ -29,14 +35,16 @@ alone at batch 1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cure_jax.runtime import decoding, xla_options
+from cure_jax.runtime import decoding, sharding, xla_options
 from cure_jax.runtime.generation import Generator
 from cure_jax.serving import programs
 from cure_jax.tree.sampling import Rows, Sampling
@@ -48,9 +56,11 @@ PREFILL_CHUNK = 64
 PREFILL_TURN = 256
 
 
-def buckets(slots: int) -> list[int]:
-  """Row counts the engine compiles for: powers of two below `slots`, then `slots`."""
-  return [1 << i for i in range((slots - 1).bit_length()) if 1 << i < slots] + [slots]
+def buckets(slots: int, multiple: int = 1) -> list[int]:
+  """Row counts the engine compiles for: `multiple` (mesh.data, which divides slots) times the
+  powers of two below slots / multiple, then `slots`."""
+  n = slots // multiple
+  return [multiple << i for i in range((n - 1).bit_length()) if 1 << i < n] + [slots]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +89,13 @@ class Update:
 
 @dataclasses.dataclass
 class Fill:
-  """A prompt being prefilled: its carry (decoding.prefill_start's) and how far it has got."""
+  """A prompt being prefilled: its carry (decoding.prefill_start's) and how far it has got;
+  W rows, each the request's (Engine.width)."""
 
   request: Request
   carry: tuple
-  prompt: jax.Array        # [1, max_len]
-  length: jax.Array        # [1]
+  prompt: jax.Array        # [W, max_len]
+  length: jax.Array        # [W]
   prefilled: int = 0       # prompt tokens in the carry
 
 
@@ -108,8 +119,12 @@ class Engine:
     if prefill_chunk < 1 or prefill_turn < 1:
       raise ValueError(f"prefill_chunk={prefill_chunk} and prefill_turn={prefill_turn} must be "
                        ">= 1 (prompt tokens per prefill step and per turn between chunks)")
-    if generator.mesh is not None:
-      raise ValueError("the serving engine runs on one device: set mesh.data=1 and mesh.model=1")
+    self.mesh = generator.mesh
+    # rows of one request's prefill: a decode state's rows are split over the data axis
+    self.width = 1 if self.mesh is None else sharding.batch_multiple(self.mesh)
+    if slots % self.width:
+      raise ValueError(f"slots={slots} is not a multiple of mesh.data={self.width} (the decode "
+                       f"state's rows are split over it): use slots={slots + -slots % self.width}")
     self.generator, self.slots, self.max_len = generator, slots, max_len
     self.max_tokens = generator.max_new_tokens
     self.steps = min(steps, self.max_tokens)
@@ -119,11 +134,11 @@ class Engine:
     self.turn = max(prefill_turn // chunk, 1) * chunk
     generator.check_memory(slots, max_len, max_len)
     self.spec = dataclasses.replace(generator.spec(max_len, slots), prefill_chunk=chunk)
-    self.buckets = buckets(slots)
+    self.buckets = buckets(slots, self.width)
     self.sampled = not generator.sampling.greedy   # per-request settings in one program
     self._compile()
     self.rows = self.buckets[0]                   # rows of the decode state
-    self.state = self._tile(self._prefill(Request((0,), 1)), self.rows)
+    self.state = self._device(self._tile(self._prefill(Request((0,), 1)), self.rows))
     self._row = np.full(slots, -1, np.int64)      # each slot's row (-1: none)
     self._seen = np.zeros(slots, np.int64)        # tokens of each slot already returned
     self._iterations = np.zeros(slots, np.int64)  # iterations of each slot already returned
@@ -133,58 +148,91 @@ class Engine:
   # --- compiled once ------------------------------------------------------------------------
 
   def _compile(self):
-    g, spec = self.generator, self.spec
-    options = xla_options.platform_options(jax.default_backend(), dict(g.compiler_options))
-    lower = lambda fn, *args, **kw: xla_options.compile_with(   # noqa: E731
-        fn.lower(g.graphdef, g.params, *args, spec=spec, **kw), options)
-    i32 = jax.ShapeDtypeStruct((), jnp.int32)   # a row value: index, limit, bound
-    key = jax.eval_shape(jax.random.key, 0)
-    carry = jax.eval_shape(lambda p: programs.open_fill(g.graphdef, p, spec=spec), g.params)
-    rows = jax.eval_shape(lambda: Rows.of(g.sampling)) if self.sampled else None
-    row = jax.eval_shape(lambda p, c, k, r: programs.first(g.graphdef, p, c[:2], c[2], k, r,
-                                                           spec=spec), g.params, carry, key, rows)
-    self._open = lower(programs.open_fill)
-    self._fill = lower(programs.fill, carry, jax.ShapeDtypeStruct((1, self.max_len), jnp.int32),
-                       jax.ShapeDtypeStruct((1,), jnp.int32), i32, i32)
-    self._first = lower(programs.first, carry[:2], carry[2], key, rows)
-    states = {b: jax.eval_shape(lambda r, b=b: self._tile(r, b), row) for b in self.buckets}
+    g, spec, w = self.generator, self.spec, self.width
+    model = lambda fn, **kw: functools.partial(fn, g.graphdef, spec=spec, **kw)   # noqa: E731
+    i32 = self._pinned(jax.ShapeDtypeStruct((), jnp.int32))   # a row value: index, limit, bound
+    key = self._pinned(jax.eval_shape(jax.random.key, 0))
+    rows = self._pinned(jax.eval_shape(lambda: Rows.of(g.sampling, w))) if self.sampled else None
+    prompt = self._pinned(jax.ShapeDtypeStruct((w, self.max_len), jnp.int32))
+    length = self._pinned(jax.ShapeDtypeStruct((w,), jnp.int32))
+    with self._on_mesh():
+      carry = self._pinned(jax.eval_shape(model(programs.open_fill, batch=w), g.params))
+      row = self._pinned(jax.eval_shape(model(programs.first), g.params, carry[:2], carry[2], key,
+                                        rows))
+    self._open = self._lower(model(programs.open_fill, batch=w), g.params, out=carry)
+    self._fill = self._lower(model(programs.fill), g.params, carry, prompt, length, i32, i32,
+                             out=carry, donate=1)
+    self._first = self._lower(model(programs.first), g.params, carry[:2], carry[2], key, rows,
+                              out=row, donate=1)
+    states = {b: self._pinned(jax.eval_shape(lambda r, b=b: self._tile(r, b), row))
+              for b in self.buckets}
     self._run, self._put, self._end, self._take = {}, {}, {}, {}
     for b, state in states.items():
-      self._run[b] = lower(programs.chunk, state, i32)
-      self._put[b] = jax.jit(programs.place, donate_argnums=0).lower(state, row, i32,
-                                                                     i32).compile()
-      self._end[b] = jax.jit(programs.cancel, donate_argnums=0).lower(state, i32).compile()
+      self._run[b] = self._lower(model(programs.chunk), g.params, state, i32, out=state,
+                                 donate=1)
+      self._put[b] = self._lower(programs.place, state, row, i32, i32, out=state, donate=0)
+      self._end[b] = self._lower(programs.cancel, state, i32, out=state, donate=0)
     for a, b in zip(self.buckets, self.buckets[1:]):   # grow a -> b, shrink b -> a
       for src, dst in ((a, b), (b, a)):
-        rows = jax.ShapeDtypeStruct((dst,), jnp.int32), jax.ShapeDtypeStruct((dst,), bool)
-        self._take[src, dst] = jax.jit(programs.take).lower(states[src], *rows).compile()
+        index, free = (self._pinned(jax.ShapeDtypeStruct((dst,), t)) for t in (jnp.int32, bool))
+        self._take[src, dst] = self._lower(programs.take, states[src], index, free,
+                                           out=states[dst])
+
+  def _lower(self, fn, *args, out, donate=()):
+    """fn compiled for the abstract args; on a mesh its outputs take out's shardings, so that a
+    donated state keeps its shardings from call to call."""
+    g = self.generator
+    pin = {} if self.mesh is None else {"out_shardings": jax.tree.map(lambda x: x.sharding, out)}
+    with self._on_mesh():
+      lowered = jax.jit(fn, donate_argnums=donate, **pin).lower(*args)
+    options = xla_options.platform_options(jax.default_backend(), dict(g.compiler_options))
+    return xla_options.compile_with(lowered, options)
+
+  def _on_mesh(self):
+    """The mesh as the models' per-shard code sees it while tracing (decoding.lower_sharded)."""
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+  def _pinned(self, tree):
+    """Abstract arrays at the shardings the programs keep them in: on a mesh a decode state's
+    (sharding.decoding_state_shardings: rows over data, caches' KV heads over model)."""
+    if self.mesh is None:
+      return tree
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                        sharding.decoding_state_shardings(tree, self.mesh))
+
+  def _device(self, tree):
+    """Host or device arrays moved where the programs take them (_pinned's shardings)."""
+    if self.mesh is None:
+      return jax.tree.map(jnp.asarray, tree)
+    return jax.device_put(tree, sharding.decoding_state_shardings(tree, self.mesh))
 
   @staticmethod
   def _tile(row: decoding.State, rows: int) -> decoding.State:
-    """rows copies of a batch-1 state, every one done (free)."""
+    """rows copies of a prefilled state's row 0, every one done (free)."""
     index = jnp.zeros((rows,), jnp.int32)
     state = jax.tree.map(lambda x: x[index] if x.ndim else x, row)
     return state.replace(done=jnp.ones((rows,), bool), limit=jnp.ones((rows,), jnp.int32))
 
   def _prefill(self, request: Request) -> decoding.State:
-    """request's whole prompt prefilled at once: its batch-1 state."""
+    """request's whole prompt prefilled at once: its state (Fill's rows)."""
     fill = self._open_fill(request)
     fill.carry = self._fill(self.generator.params, fill.carry, fill.prompt, fill.length,
                             np.int32(0), np.int32(len(request.prompt)))
     return self._start(fill)
 
   def _start(self, fill: Fill) -> decoding.State:
-    """A completed prefill's batch-1 state (its first token chosen with the request's key)."""
+    """A completed prefill's state (its first token chosen with the request's key: row 0
+    takes the key a prompt decoded alone takes)."""
     g, request = self.generator, fill.request
-    rows = Rows.of(request.sampling or g.sampling) if self.sampled else None
-    return self._first(g.params, fill.carry[:2], fill.carry[2], jax.random.key(request.seed),
-                       rows)
+    rows = Rows.of(request.sampling or g.sampling, self.width) if self.sampled else None
+    key, rows = self._device((jax.random.key(request.seed), rows))
+    return self._first(g.params, fill.carry[:2], fill.carry[2], key, rows)
 
   def _open_fill(self, request: Request) -> Fill:
-    prompt = np.zeros((1, self.max_len), np.int32)
-    prompt[0, :len(request.prompt)] = request.prompt
-    return Fill(request, self._open(self.generator.params), jnp.asarray(prompt),
-                jnp.asarray([len(request.prompt)], jnp.int32))
+    prompt = np.zeros((self.width, self.max_len), np.int32)
+    prompt[:, :len(request.prompt)] = request.prompt
+    length = np.full((self.width,), len(request.prompt), np.int32)
+    return Fill(request, self._open(self.generator.params), *self._device((prompt, length)))
 
   # --- rows ---------------------------------------------------------------------------------
 
@@ -215,7 +263,7 @@ class Engine:
       self._resize(self.buckets[at])
 
   def _place(self, slot: int, row: decoding.State, max_tokens: int) -> int:
-    """Writes a prefilled batch-1 state into a free row for `slot`; returns its first token."""
+    """Writes a prefilled state's row 0 into a free row for `slot`; returns its first token."""
     first = int(jax.device_get(row.anchor)[0])   # a transfer: indexing on device compiles
     at = self._free_row()
     self.state = self._put[self.rows](self.state, row, np.int32(at), np.int32(max_tokens))
