@@ -127,7 +127,11 @@ def test_cost_curve_is_timed_once_and_cached(pair, tmp_path, monkeypatch):
   assert len(files) == 1
   curve = json.loads(files[0].read_text())
   assert curve["budgets"] == list(BUDGETS) and curve["batch"] == 2
-  assert all(t > 0 for t in curve["verify_s"]) and curve["draft_s"] > 0
+  # timed directly: the plain step and the drafter pass; a drafted budget's rest of an iteration
+  # is its whole iteration less the drafter pass, clamped at 0 (on tiny models under load the
+  # difference of two timings can fall below 0)
+  assert curve["verify_s"][0] > 0 and curve["draft_s"] > 0
+  assert all(t >= 0 for t in curve["verify_s"][1:])
   want = [curve["verify_s"][0]] + [v + curve["draft_s"] for v in curve["verify_s"][1:]]
   assert spec.auto.costs == pytest.approx(want)
   # A second Generator reads the cache (a changed file proves it is read, not re-timed).
